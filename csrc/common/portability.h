@@ -1,0 +1,98 @@
+// Torch-free portability layer shared by the CUDA and HIP builds of every kernel.
+//
+// Kernel sources include only this header (plus the C++ standard library), so CI can compile
+// them with plain nvcc and hipcc without a CUDA/ROCm PyTorch. The torch binding lives in the
+// *_launcher.cpp files.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__HIPCC__) || defined(USE_ROCM)
+#define RL_ALIGN_HIP 1
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#include <hip/hip_bfloat16.h>
+#else
+#define RL_ALIGN_HIP 0
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#endif
+
+namespace rl_align {
+
+#if RL_ALIGN_HIP
+using gpuStream_t = hipStream_t;
+using gpuError_t = hipError_t;
+using half_t = __half;
+using bfloat16_t = hip_bfloat16;
+inline gpuError_t gpu_last_error() { return hipGetLastError(); }
+inline const char* gpu_error_string(gpuError_t e) { return hipGetErrorString(e); }
+constexpr gpuError_t kGpuSuccess = hipSuccess;
+#else
+using gpuStream_t = cudaStream_t;
+using gpuError_t = cudaError_t;
+using half_t = __half;
+using bfloat16_t = __nv_bfloat16;
+inline gpuError_t gpu_last_error() { return cudaGetLastError(); }
+inline const char* gpu_error_string(gpuError_t e) { return cudaGetErrorString(e); }
+constexpr gpuError_t kGpuSuccess = cudaSuccess;
+#endif
+
+// Warp (wavefront) width as a compile-time constant: 64 on AMD CDNA, 32 on NVIDIA. Reduction
+// trees are built from it, so never hard-code 32.
+#if RL_ALIGN_HIP && defined(__AMDGCN_WAVEFRONT_SIZE)
+constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+#elif RL_ALIGN_HIP
+constexpr int kWarpSize = 64;
+#else
+constexpr int kWarpSize = 32;
+#endif
+
+// Element types the kernels are instantiated for. The launcher maps torch dtypes onto these, so
+// kernels never see a torch type.
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Exact conversions between storage types and the fp32 compute type (round-to-nearest-even on
+// the way back). One rounding per output element.
+template <typename T>
+struct Convert;
+
+template <>
+struct Convert<float> {
+  __device__ __forceinline__ static float to_float(float v) { return v; }
+  __device__ __forceinline__ static float from_float(float v) { return v; }
+};
+
+template <>
+struct Convert<half_t> {
+  __device__ __forceinline__ static float to_float(half_t v) { return __half2float(v); }
+  __device__ __forceinline__ static half_t from_float(float v) { return __float2half_rn(v); }
+};
+
+template <>
+struct Convert<bfloat16_t> {
+#if RL_ALIGN_HIP
+  __device__ __forceinline__ static float to_float(bfloat16_t v) { return static_cast<float>(v); }
+  __device__ __forceinline__ static bfloat16_t from_float(float v) {
+    return bfloat16_t::round_to_bfloat16(v);
+  }
+#else
+  __device__ __forceinline__ static float to_float(bfloat16_t v) { return __bfloat162float(v); }
+  __device__ __forceinline__ static bfloat16_t from_float(float v) { return __float2bfloat16_rn(v); }
+#endif
+};
+
+// Butterfly exchange inside groups of `width` lanes. IEEE addition is commutative, so every lane
+// of a butterfly ends with the same bits.
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask, int width) {
+#if RL_ALIGN_HIP
+  return __shfl_xor(v, lane_mask, width);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask, width);
+#endif
+}
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace rl_align

@@ -1,0 +1,369 @@
+// RMSNorm forward and backward GPU kernels (CUDA; HIP compiles the same source).
+//
+// Invariance: the partition of a row (threads per row, vectors per thread, reduction tree) comes
+// from rms_norm_gpu_partition(hidden, element size) alone, and every row runs the same
+// instructions on the same elements in the same order, whatever the number of rows and whether
+// its loads are 16-byte vectors or single elements. dweight sums rows in fixed tiles
+// (rms_norm_dweight_tile_rows), then adds the tile sums in row order: no atomics anywhere.
+#include "rms_norm_kernels.h"
+
+namespace rl_align {
+namespace {
+
+constexpr int kMaxWarpsPerBlock = 1024 / kWarpSize;
+
+template <typename T, int VEC>
+struct alignas(16) Pack {
+  T v[VEC];
+};
+
+// Loads the 16-byte vector `vec_index` of a row. Unaligned rows and the ragged end of a row are
+// read element by element into the same slots; slots past the row end hold zeros, the identity
+// of every sum below.
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* row, int64_t vec_index, int64_t hidden,
+                                                  bool aligned) {
+  const int64_t base = vec_index * VEC;
+  Pack<T, VEC> p;
+  if (aligned && base + VEC <= hidden) {
+    p = *reinterpret_cast<const Pack<T, VEC>*>(row + base);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      p.v[j] = base + j < hidden ? row[base + j] : Convert<T>::from_float(0.f);
+    }
+  }
+  return p;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* row, int64_t vec_index, int64_t hidden, bool aligned,
+                                           const Pack<T, VEC>& p) {
+  const int64_t base = vec_index * VEC;
+  if (aligned && base + VEC <= hidden) {
+    *reinterpret_cast<Pack<T, VEC>*>(row + base) = p;
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if (base + j < hidden) row[base + j] = p.v[j];
+    }
+  }
+}
+
+// Sums each of the N values over the `threads_per_row` threads of a row; every thread of the row
+// ends with the same bits. Inside a warp: a butterfly (addition is commutative, so both partners
+// of an exchange compute the same sum). Across warps (threads_per_row > warp, one row per block):
+// warp sums go through shared memory and every thread adds them in warp order. `scratch` must not
+// be reused before the next __syncthreads (callers alternate two buffers).
+template <int N>
+__device__ __forceinline__ void row_allreduce(float (&v)[N], int threads_per_row,
+                                              float (*scratch)[kMaxWarpsPerBlock]) {
+  const int width = threads_per_row < kWarpSize ? threads_per_row : kWarpSize;
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) v[n] += shfl_xor(v[n], offset, kWarpSize);
+  }
+  if (threads_per_row <= kWarpSize) return;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = threads_per_row / kWarpSize;
+  if (threadIdx.x % kWarpSize == 0) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) scratch[n][warp] = v[n];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    float s = scratch[n][0];
+    for (int w = 1; w < num_warps; ++w) s += scratch[n][w];
+    v[n] = s;
+  }
+}
+
+// 1 / sqrt(mean(x^2) + eps), the same expression in the forward and the backward.
+__device__ __forceinline__ float inv_rms_of(float sum_sq, int64_t hidden, float eps) {
+  return rsqrtf(sum_sq / static_cast<float>(hidden) + eps);
+}
+
+// Large rows (8 vectors per thread) may use up to 1024 threads per row; the others stay at 256
+// threads per block, which leaves the compiler room for the register-resident row.
+template <int VPT>
+struct LaunchBound {
+  static constexpr int value = VPT == kRmsNormMaxVecsPerThread ? kRmsNormMaxThreadsPerRow : 256;
+};
+
+template <typename T, int VPT>
+__global__ void __launch_bounds__(LaunchBound<VPT>::value)
+    rms_norm_fwd_kernel(const T* __restrict__ x, int64_t x_row_stride, const T* __restrict__ weight,
+                        T* __restrict__ y, int64_t y_row_stride, int64_t rows, int64_t hidden,
+                        float eps, int threads_per_row, bool aligned) {
+  constexpr int VEC = 16 / sizeof(T);
+  __shared__ float scratch[1][kMaxWarpsPerBlock];
+  const int lane = threadIdx.x % threads_per_row;
+  const int rows_per_block = blockDim.x / threads_per_row;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / threads_per_row;
+  // Threads of a missing row still take part in the shuffles and barriers, on zeros.
+  const bool valid = row < rows;
+  const T* x_row = x + (valid ? row : 0) * x_row_stride;
+
+  Pack<T, VEC> xv[VPT];
+  float sum_sq[1] = {0.f};
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
+    xv[k] = load_pack<T, VEC>(x_row, vi, valid ? hidden : 0, aligned);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float f = Convert<T>::to_float(xv[k].v[j]);
+      sum_sq[0] = fmaf(f, f, sum_sq[0]);
+    }
+  }
+  row_allreduce<1>(sum_sq, threads_per_row, scratch);
+  if (!valid) return;
+  const float inv_rms = inv_rms_of(sum_sq[0], hidden, eps);
+  T* y_row = y + row * y_row_stride;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
+    if (vi * VEC >= hidden) break;
+    const Pack<T, VEC> wv = load_pack<T, VEC>(weight, vi, hidden, aligned);
+    Pack<T, VEC> out;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      // (x * inv_rms) * w: normalise first, then scale, one rounding at the end.
+      const float normed = Convert<T>::to_float(xv[k].v[j]) * inv_rms;
+      out.v[j] = Convert<T>::from_float(normed * Convert<T>::to_float(wv.v[j]));
+    }
+    store_pack<T, VEC>(y_row, vi, hidden, aligned, out);
+  }
+}
+
+// One block per tile of `tile_rows` rows. Each row is reduced like the forward; the block's row
+// groups take rows g, g + groups, ... of the tile in order, each group accumulating its rows'
+// dy * xhat into fp32 registers, then the groups' sums are added in group order. The tile sum
+// goes to workspace[tile, :].
+template <typename T, int VPT>
+__global__ void __launch_bounds__(LaunchBound<VPT>::value)
+    rms_norm_bwd_kernel(const T* __restrict__ grad_out, int64_t grad_out_row_stride,
+                        const T* __restrict__ x, int64_t x_row_stride,
+                        const T* __restrict__ weight, T* __restrict__ grad_x,
+                        int64_t grad_x_row_stride, float* __restrict__ tile_sums, int64_t rows,
+                        int64_t hidden, float eps, int threads_per_row, int64_t tile_rows,
+                        bool aligned) {
+  constexpr int VEC = 16 / sizeof(T);
+  __shared__ float scratch[2][2][kMaxWarpsPerBlock];
+  extern __shared__ float group_sums[];  // [groups, hidden] when a block holds several groups
+  const int lane = threadIdx.x % threads_per_row;
+  const int group = threadIdx.x / threads_per_row;
+  const int groups = blockDim.x / threads_per_row;
+  const int64_t tile_start = static_cast<int64_t>(blockIdx.x) * tile_rows;
+
+  // The weight stays packed in registers (half the registers of fp32) for the whole tile.
+  Pack<T, VEC> wv[VPT];
+  float dweight[VPT][VEC];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    wv[k] = load_pack<T, VEC>(weight, static_cast<int64_t>(k) * threads_per_row + lane, hidden, aligned);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dweight[k][j] = 0.f;
+  }
+
+  const int64_t steps = tile_rows / groups;
+  for (int64_t step = 0; step < steps; ++step) {
+    const int64_t first_row_of_step = tile_start + step * groups;
+    if (first_row_of_step >= rows) break;  // uniform across the block
+    const int64_t row = first_row_of_step + group;
+    const bool valid = row < rows;
+    const int64_t r = valid ? row : 0;
+    const int64_t valid_hidden = valid ? hidden : 0;
+    Pack<T, VEC> xv[VPT], gv[VPT];
+    // sums[0] = sum x^2, sums[1] = sum dy * w * x
+    float sums[2] = {0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
+      xv[k] = load_pack<T, VEC>(x + r * x_row_stride, vi, valid_hidden, aligned);
+      gv[k] = load_pack<T, VEC>(grad_out + r * grad_out_row_stride, vi, valid_hidden, aligned);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xf = Convert<T>::to_float(xv[k].v[j]);
+        const float gf = Convert<T>::to_float(gv[k].v[j]) * Convert<T>::to_float(wv[k].v[j]);
+        sums[0] = fmaf(xf, xf, sums[0]);
+        sums[1] = fmaf(gf, xf, sums[1]);
+      }
+    }
+    row_allreduce<2>(sums, threads_per_row, scratch[step & 1]);
+    if (!valid) continue;
+    const float inv_rms = inv_rms_of(sums[0], hidden, eps);
+    // dx = inv_rms * (dy * w - xhat * mean(dy * w * xhat)), mean(dy * w * xhat) = c below.
+    const float c = sums[1] * inv_rms / static_cast<float>(hidden);
+    T* dx_row = grad_x + row * grad_x_row_stride;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
+      Pack<T, VEC> out;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xhat = Convert<T>::to_float(xv[k].v[j]) * inv_rms;
+        const float dy = Convert<T>::to_float(gv[k].v[j]);
+        out.v[j] = Convert<T>::from_float(
+            inv_rms * fmaf(-xhat, c, dy * Convert<T>::to_float(wv[k].v[j])));
+        dweight[k][j] = fmaf(dy, xhat, dweight[k][j]);
+      }
+      if (vi * VEC < hidden) store_pack<T, VEC>(dx_row, vi, hidden, aligned, out);
+    }
+  }
+
+  float* tile_out = tile_sums + static_cast<int64_t>(blockIdx.x) * hidden;
+  if (groups == 1) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t base = (static_cast<int64_t>(k) * threads_per_row + lane) * VEC;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        if (base + j < hidden) tile_out[base + j] = dweight[k][j];
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int64_t base = (static_cast<int64_t>(k) * threads_per_row + lane) * VEC;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if (base + j < hidden) group_sums[group * hidden + base + j] = dweight[k][j];
+    }
+  }
+  __syncthreads();
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+    float s = group_sums[h];
+    for (int g = 1; g < groups; ++g) s += group_sums[g * hidden + h];
+    tile_out[h] = s;
+  }
+}
+
+// dweight[h] = accum[h] (or 0) + tile_sums[0, h] + tile_sums[1, h] + ..., strictly in tile
+// order: the chaining contract. Loads are batched so many are in flight; the adds stay in order.
+constexpr int kTileSumThreads = 128;
+constexpr int kTileSumBatch = 32;
+
+__global__ void __launch_bounds__(kTileSumThreads)
+    rms_norm_dweight_tile_sum_kernel(const float* __restrict__ tile_sums, int64_t tiles,
+                                     int64_t hidden, const float* accum, float* out) {
+  const int64_t h = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (h >= hidden) return;
+  float acc = accum != nullptr ? accum[h] : 0.f;
+  for (int64_t t0 = 0; t0 < tiles; t0 += kTileSumBatch) {
+    float batch[kTileSumBatch];
+#pragma unroll
+    for (int b = 0; b < kTileSumBatch; ++b) {
+      batch[b] = t0 + b < tiles ? tile_sums[(t0 + b) * hidden + h] : 0.f;
+    }
+#pragma unroll
+    for (int b = 0; b < kTileSumBatch; ++b) {
+      if (t0 + b < tiles) acc += batch[b];
+    }
+  }
+  out[h] = acc;
+}
+
+bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T>
+bool rows_aligned16(const void* p, int64_t row_stride) {
+  return is_aligned16(p) && (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+}
+
+// Calls f(T{}, std::integral_constant<int, VPT>{}) for the runtime dtype and partition.
+template <int VPT>
+struct VptTag {
+  static constexpr int value = VPT;
+};
+
+template <typename F>
+gpuError_t dispatch_vpt(int vecs_per_thread, F&& f) {
+  switch (vecs_per_thread) {
+    case 1: return f(VptTag<1>{});
+    case 2: return f(VptTag<2>{});
+    case 4: return f(VptTag<4>{});
+    case 8: return f(VptTag<8>{});
+    default: return f(VptTag<8>{});  // unreachable: rms_norm_gpu_partition returns 1, 2, 4 or 8
+  }
+}
+
+template <typename F>
+gpuError_t dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(float{});
+    case DType::kFloat16: return f(half_t{});
+    case DType::kBFloat16: return f(bfloat16_t{});
+  }
+  return f(float{});  // unreachable: the launcher validates the dtype
+}
+
+template <typename T>
+int elem_size_of() {
+  return static_cast<int>(sizeof(T));
+}
+
+}  // namespace
+
+gpuError_t rms_norm_fwd_cuda(DType dtype, const void* x, int64_t x_row_stride, const void* weight,
+                             void* y, int64_t y_row_stride, int64_t rows, int64_t hidden,
+                             float eps, gpuStream_t stream) {
+  if (rows == 0 || hidden == 0) return kGpuSuccess;
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, elem_size_of<T>());
+    const bool aligned = rows_aligned16<T>(x, x_row_stride) &&
+                         rows_aligned16<T>(y, y_row_stride) && is_aligned16(weight);
+    const int64_t blocks = ceil_div(rows, part.rows_per_block());
+    return dispatch_vpt(part.vecs_per_thread, [&](auto vpt) {
+      rms_norm_fwd_kernel<T, decltype(vpt)::value>
+          <<<static_cast<unsigned>(blocks), part.block_threads, 0, stream>>>(
+              static_cast<const T*>(x), x_row_stride, static_cast<const T*>(weight),
+              static_cast<T*>(y), y_row_stride, rows, hidden, eps, part.threads_per_row, aligned);
+      return gpu_last_error();
+    });
+  });
+}
+
+int64_t rms_norm_bwd_workspace_elements(int64_t rows, int64_t hidden) {
+  return ceil_div(rows, rms_norm_dweight_tile_rows(hidden)) * hidden;
+}
+
+gpuError_t rms_norm_bwd_cuda(DType dtype, const void* grad_out, int64_t grad_out_row_stride,
+                             const void* x, int64_t x_row_stride, const void* weight, void* grad_x,
+                             int64_t grad_x_row_stride, const float* dweight_accum,
+                             float* dweight_out, float* workspace, int64_t rows, int64_t hidden,
+                             float eps, gpuStream_t stream) {
+  if (hidden == 0) return kGpuSuccess;
+  const int64_t tile_rows = rms_norm_dweight_tile_rows(hidden);
+  const int64_t tiles = ceil_div(rows, tile_rows);
+  if (rows > 0) {
+    const gpuError_t err = dispatch_dtype(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, elem_size_of<T>());
+      const bool aligned = rows_aligned16<T>(grad_out, grad_out_row_stride) &&
+                           rows_aligned16<T>(x, x_row_stride) &&
+                           rows_aligned16<T>(grad_x, grad_x_row_stride) && is_aligned16(weight);
+      const int groups = part.rows_per_block();
+      const size_t smem = groups > 1 ? static_cast<size_t>(groups) * hidden * sizeof(float) : 0;
+      return dispatch_vpt(part.vecs_per_thread, [&](auto vpt) {
+        rms_norm_bwd_kernel<T, decltype(vpt)::value>
+            <<<static_cast<unsigned>(tiles), part.block_threads, smem, stream>>>(
+                static_cast<const T*>(grad_out), grad_out_row_stride, static_cast<const T*>(x),
+                x_row_stride, static_cast<const T*>(weight), static_cast<T*>(grad_x),
+                grad_x_row_stride, workspace, rows, hidden, eps, part.threads_per_row, tile_rows,
+                aligned);
+        return gpu_last_error();
+      });
+    });
+    if (err != kGpuSuccess) return err;
+  }
+  const int64_t blocks = ceil_div(hidden, kTileSumThreads);
+  rms_norm_dweight_tile_sum_kernel<<<static_cast<unsigned>(blocks), kTileSumThreads, 0, stream>>>(
+      workspace, tiles, hidden, dweight_accum, dweight_out);
+  return gpu_last_error();
+}
+
+}  // namespace rl_align

@@ -1,0 +1,18 @@
+"""rl_engine_ext: batch-invariant PyTorch ops (torch.ops.rl_align) for RL post-training.
+
+Every op computes each row (token) with the same arithmetic in the same order whatever else is
+in the batch, forward and backward, so a sampler and a trainer get bit-identical log-probs.
+See README.md for the op table and rl_engine_ext.contract for the numerical contract.
+"""
+
+from ._native import NATIVE_AVAILABLE, NATIVE_UNAVAILABLE_REASON, has_native_kernel
+from .ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_tile_rows
+
+__all__ = [
+    "NATIVE_AVAILABLE",
+    "NATIVE_UNAVAILABLE_REASON",
+    "has_native_kernel",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_tile_rows",
+]

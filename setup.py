@@ -1,0 +1,75 @@
+"""Build of rl_engine_ext's native library, rl_engine_ext._C.
+
+Three worlds, picked from the installed PyTorch:
+  * CPU-only PyTorch: a CppExtension with the C++ CPU kernels.
+  * CUDA PyTorch with nvcc: a CUDAExtension that adds the CUDA kernels. Default arch list
+    sm_80 + sm_90a (`-gencode=arch=compute_90a,code=sm_90a`: Hopper-only instructions need the
+    "a" target); TORCH_CUDA_ARCH_LIST overrides it (e.g. "8.0;9.0a").
+  * ROCm PyTorch: the same CUDA sources, hipified by torch.utils.cpp_extension; archs from
+    PYTORCH_ROCM_ARCH (default gfx90a;gfx942).
+RL_ENGINE_EXT_NO_NATIVE=1 skips the native build: the package then runs every op on its
+pure-PyTorch reference (and warns once that bitwise invariance is not guaranteed).
+MAX_JOBS bounds parallel compilation (read by torch's ninja build).
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+# The stable-ABI floor: the library exports only a module-init stub, no Python API.
+PY_LIMITED_API = "0x03090000"
+
+
+def native_extensions():
+    if os.environ.get("RL_ENGINE_EXT_NO_NATIVE", "0") == "1":
+        return [], {}
+    import torch
+    from torch.utils import cpp_extension
+
+    csrc = "csrc"
+    cpu_sources = [os.path.join(csrc, "registration.cpp")] + sorted(
+        glob.glob(os.path.join(csrc, "cpu", "*.cpp"))
+    )
+    gpu_sources = sorted(glob.glob(os.path.join(csrc, "cuda", "*.cpp"))) + sorted(
+        glob.glob(os.path.join(csrc, "cuda", "*.cu"))
+    )
+    cxx_flags = ["-O3", "-std=c++17", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
+    is_rocm = torch.version.hip is not None
+    has_gpu_toolchain = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None) or (
+        is_rocm and cpp_extension.ROCM_HOME is not None
+    )
+    if os.environ.get("RL_ENGINE_EXT_CPU_ONLY", "0") == "1" or not has_gpu_toolchain:
+        ext = cpp_extension.CppExtension(
+            "rl_engine_ext._C",
+            cpu_sources,
+            extra_compile_args={"cxx": cxx_flags},
+            py_limited_api=True,
+        )
+    else:
+        if is_rocm:
+            os.environ.setdefault("PYTORCH_ROCM_ARCH", "gfx90a;gfx942")
+            device_flags = ["-O3", "-std=c++17", "-DUSE_ROCM=1"]
+            cxx_flags = cxx_flags + ["-DUSE_ROCM=1"]
+        else:
+            # sm_80 and sm_90a by default; TORCH_CUDA_ARCH_LIST (read by torch) overrides.
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+            device_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+        ext = cpp_extension.CUDAExtension(
+            "rl_engine_ext._C",
+            cpu_sources + gpu_sources,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": device_flags},
+            py_limited_api=True,
+        )
+    build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=True)
+    return [ext], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = native_extensions()
+
+# Name, version and packages live in pyproject.toml.
+setup(
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    options={"bdist_wheel": {"py_limited_api": "cp39"}} if ext_modules else {},
+)
