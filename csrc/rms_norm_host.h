@@ -4,9 +4,16 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+
 #include "common/rms_norm_partition.h"
 
 namespace rl_align {
+
+// The Python spelling (torch.bfloat16), so messages read the same as the reference path's.
+inline std::string dtype_name(at::ScalarType t) {
+  return std::string("torch.") + std::string(c10::getDtypeNames(t).first);
+}
 
 inline bool is_supported_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
@@ -16,7 +23,7 @@ inline bool is_supported_dtype(at::ScalarType t) {
 // ValueError that names the op and the dtype.
 inline void check_dtype(const char* op, const char* arg, const at::Tensor& t) {
   TORCH_CHECK_VALUE(is_supported_dtype(t.scalar_type()), "rl_align::", op, ": unsupported dtype ",
-                    t.scalar_type(), " for ", arg,
+                    dtype_name(t.scalar_type()), " for ", arg,
                     " (supported: torch.bfloat16, torch.float16, torch.float32)");
 }
 
@@ -30,8 +37,8 @@ inline void check_rms_norm_args(const char* op, const at::Tensor& x, const at::T
   TORCH_CHECK_VALUE(weight.size(0) == x.size(-1), "rl_align::", op, ": weight has ",
                     weight.size(0), " elements but x's last dimension is ", x.size(-1));
   TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), "rl_align::", op,
-                    ": weight dtype ", weight.scalar_type(), " differs from x dtype ",
-                    x.scalar_type());
+                    ": weight dtype ", dtype_name(weight.scalar_type()),
+                    " differs from x dtype ", dtype_name(x.scalar_type()));
   TORCH_CHECK(weight.device() == x.device(), "rl_align::", op, ": x is on ", x.device(),
               " but weight is on ", weight.device());
   TORCH_CHECK_VALUE(eps >= 0.0, "rl_align::", op, ": eps must be >= 0, got ", eps);
@@ -45,14 +52,15 @@ inline void check_rms_norm_backward_args(const at::Tensor& grad_out, const at::T
   TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes(), "rl_align::", op, ": grad_out shape ",
                     grad_out.sizes(), " differs from x shape ", x.sizes());
   TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type(), "rl_align::", op,
-                    ": grad_out dtype ", grad_out.scalar_type(), " differs from x dtype ",
-                    x.scalar_type());
+                    ": grad_out dtype ", dtype_name(grad_out.scalar_type()),
+                    " differs from x dtype ", dtype_name(x.scalar_type()));
   TORCH_CHECK(grad_out.device() == x.device(), "rl_align::", op, ": grad_out is on ",
               grad_out.device(), " but x is on ", x.device());
   if (dweight_accum.has_value()) {
     const at::Tensor& acc = *dweight_accum;
     TORCH_CHECK_VALUE(acc.scalar_type() == at::kFloat, "rl_align::", op,
-                      ": dweight_accum must be float32, got ", acc.scalar_type());
+                      ": dweight_accum must be torch.float32, got ",
+                      dtype_name(acc.scalar_type()));
     TORCH_CHECK_VALUE(acc.dim() == 1 && acc.size(0) == weight.size(0), "rl_align::", op,
                       ": dweight_accum must have shape [", weight.size(0), "], got ",
                       acc.sizes());
@@ -68,7 +76,7 @@ void dispatch_supported_dtype(const char* op, at::ScalarType t, F&& f) {
     case at::kFloat: f(float{}); return;
     case at::kHalf: f(at::Half{}); return;
     case at::kBFloat16: f(at::BFloat16{}); return;
-    default: TORCH_CHECK_VALUE(false, "rl_align::", op, ": unsupported dtype ", t);
+    default: TORCH_CHECK_VALUE(false, "rl_align::", op, ": unsupported dtype ", dtype_name(t));
   }
 }
 

@@ -27,6 +27,22 @@ using gpuError_t = hipError_t;
 using half_t = __half;
 using bfloat16_t = hip_bfloat16;
 inline gpuError_t gpu_last_error() { return hipGetLastError(); }
+inline int current_device() {
+  int d = 0;
+  (void)hipGetDevice(&d);
+  return d;
+}
+inline int multiprocessor_count(int device) {
+  int n = 1;
+  (void)hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, device);
+  return n;
+}
+template <typename Kernel>
+int max_active_blocks_per_multiprocessor(Kernel kernel, int block_threads) {
+  int n = 1;
+  (void)hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0);
+  return n > 0 ? n : 1;
+}
 inline const char* gpu_error_string(gpuError_t e) { return hipGetErrorString(e); }
 constexpr gpuError_t kGpuSuccess = hipSuccess;
 #else
@@ -35,6 +51,22 @@ using gpuError_t = cudaError_t;
 using half_t = __half;
 using bfloat16_t = __nv_bfloat16;
 inline gpuError_t gpu_last_error() { return cudaGetLastError(); }
+inline int current_device() {
+  int d = 0;
+  (void)cudaGetDevice(&d);
+  return d;
+}
+inline int multiprocessor_count(int device) {
+  int n = 1;
+  (void)cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  return n;
+}
+template <typename Kernel>
+int max_active_blocks_per_multiprocessor(Kernel kernel, int block_threads) {
+  int n = 1;
+  (void)cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0);
+  return n > 0 ? n : 1;
+}
 inline const char* gpu_error_string(gpuError_t e) { return cudaGetErrorString(e); }
 constexpr gpuError_t kGpuSuccess = cudaSuccess;
 #endif
@@ -52,6 +84,10 @@ constexpr int kWarpSize = 32;
 // Element types the kernels are instantiated for. The launcher maps torch dtypes onto these, so
 // kernels never see a torch type.
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Device-only helpers below: host translation units (the torch launchers) include this header
+// for the types above and must not see them.
+#if defined(__CUDACC__) || defined(__HIPCC__)
 
 // Exact conversions between storage types and the fp32 compute type (round-to-nearest-even on
 // the way back). One rounding per output element.
@@ -92,6 +128,8 @@ __device__ __forceinline__ float shfl_xor(float v, int lane_mask, int width) {
   return __shfl_xor_sync(0xffffffffu, v, lane_mask, width);
 #endif
 }
+
+#endif  // __CUDACC__ || __HIPCC__
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

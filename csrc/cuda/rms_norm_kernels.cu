@@ -17,16 +17,18 @@ struct alignas(16) Pack {
   T v[VEC];
 };
 
-// Loads the 16-byte vector `vec_index` of a row. Unaligned rows and the ragged end of a row are
-// read element by element into the same slots; slots past the row end hold zeros, the identity
-// of every sum below.
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load_pack(const T* row, int64_t vec_index, int64_t hidden,
-                                                  bool aligned) {
+// Loads the 16-byte vector `vec_index` of a row. VECTOR_IO (rows 16-byte aligned, hidden a
+// multiple of VEC) reads it in one instruction; otherwise it is read element by element into the
+// same slots. Either way a thread holds the same elements in the same slots, so the arithmetic
+// is identical. Slots past the row end hold zeros, the identity of every sum below.
+template <typename T, int VEC, bool VECTOR_IO>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* row, int64_t vec_index, int64_t hidden) {
   const int64_t base = vec_index * VEC;
   Pack<T, VEC> p;
-  if (aligned && base + VEC <= hidden) {
-    p = *reinterpret_cast<const Pack<T, VEC>*>(row + base);
+  if constexpr (VECTOR_IO) {
+    if (base < hidden) return *reinterpret_cast<const Pack<T, VEC>*>(row + base);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p.v[j] = Convert<T>::from_float(0.f);
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -36,12 +38,12 @@ __device__ __forceinline__ Pack<T, VEC> load_pack(const T* row, int64_t vec_inde
   return p;
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ void store_pack(T* row, int64_t vec_index, int64_t hidden, bool aligned,
+template <typename T, int VEC, bool VECTOR_IO>
+__device__ __forceinline__ void store_pack(T* row, int64_t vec_index, int64_t hidden,
                                            const Pack<T, VEC>& p) {
   const int64_t base = vec_index * VEC;
-  if (aligned && base + VEC <= hidden) {
-    *reinterpret_cast<Pack<T, VEC>*>(row + base) = p;
+  if constexpr (VECTOR_IO) {
+    if (base < hidden) *reinterpret_cast<Pack<T, VEC>*>(row + base) = p;
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -91,49 +93,73 @@ struct LaunchBound {
   static constexpr int value = VPT == kRmsNormMaxVecsPerThread ? kRmsNormMaxThreadsPerRow : 256;
 };
 
-template <typename T, int VPT>
+// Loads a thread's VPT vectors of one row (zeros for a missing row: valid_hidden = 0).
+template <typename T, int VEC, int VPT, bool VECTOR_IO>
+__device__ __forceinline__ void load_row(Pack<T, VEC> (&packs)[VPT], const T* row, int lane,
+                                         int threads_per_row, int64_t valid_hidden) {
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    packs[k] = load_pack<T, VEC, VECTOR_IO>(row, static_cast<int64_t>(k) * threads_per_row + lane,
+                                            valid_hidden);
+  }
+}
+
+// Persistent grid: block b takes row groups b, b + gridDim.x, ... and loads the next group's
+// rows before reducing the current one, so loads stay in flight across the row's reduction.
+// Which block handles a row never changes the row's arithmetic.
+template <typename T, int VPT, bool VECTOR_IO>
 __global__ void __launch_bounds__(LaunchBound<VPT>::value)
     rms_norm_fwd_kernel(const T* __restrict__ x, int64_t x_row_stride, const T* __restrict__ weight,
                         T* __restrict__ y, int64_t y_row_stride, int64_t rows, int64_t hidden,
-                        float eps, int threads_per_row, bool aligned) {
+                        float eps, int threads_per_row) {
   constexpr int VEC = 16 / sizeof(T);
-  __shared__ float scratch[1][kMaxWarpsPerBlock];
+  __shared__ float scratch[2][1][kMaxWarpsPerBlock];
   const int lane = threadIdx.x % threads_per_row;
   const int rows_per_block = blockDim.x / threads_per_row;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / threads_per_row;
-  // Threads of a missing row still take part in the shuffles and barriers, on zeros.
-  const bool valid = row < rows;
-  const T* x_row = x + (valid ? row : 0) * x_row_stride;
+  const int group = threadIdx.x / threads_per_row;
+  const int64_t row_groups = ceil_div(rows, rows_per_block);
 
-  Pack<T, VEC> xv[VPT];
-  float sum_sq[1] = {0.f};
+  int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + group;
+  Pack<T, VEC> cur[VPT], next[VPT];
+  // Threads of a missing row still take part in the shuffles and barriers, on zeros.
+  load_row<T, VEC, VPT, VECTOR_IO>(cur, x + (row < rows ? row : 0) * x_row_stride, lane, threads_per_row,
+                        row < rows ? hidden : 0);
+  int parity = 0;
+  for (int64_t rg = blockIdx.x; rg < row_groups; rg += gridDim.x, parity ^= 1) {
+    const int64_t next_row = row + static_cast<int64_t>(gridDim.x) * rows_per_block;
+    load_row<T, VEC, VPT, VECTOR_IO>(next, x + (next_row < rows ? next_row : 0) * x_row_stride, lane,
+                          threads_per_row, next_row < rows ? hidden : 0);
+    float sum_sq[1] = {0.f};
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
-    xv[k] = load_pack<T, VEC>(x_row, vi, valid ? hidden : 0, aligned);
+    for (int k = 0; k < VPT; ++k) {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float f = Convert<T>::to_float(xv[k].v[j]);
-      sum_sq[0] = fmaf(f, f, sum_sq[0]);
+      for (int j = 0; j < VEC; ++j) {
+        const float f = Convert<T>::to_float(cur[k].v[j]);
+        sum_sq[0] = fmaf(f, f, sum_sq[0]);
+      }
     }
-  }
-  row_allreduce<1>(sum_sq, threads_per_row, scratch);
-  if (!valid) return;
-  const float inv_rms = inv_rms_of(sum_sq[0], hidden, eps);
-  T* y_row = y + row * y_row_stride;
+    row_allreduce<1>(sum_sq, threads_per_row, scratch[parity]);
+    if (row < rows) {
+      const float inv_rms = inv_rms_of(sum_sq[0], hidden, eps);
+      T* y_row = y + row * y_row_stride;
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
-    if (vi * VEC >= hidden) break;
-    const Pack<T, VEC> wv = load_pack<T, VEC>(weight, vi, hidden, aligned);
-    Pack<T, VEC> out;
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
+        if (vi * VEC >= hidden) break;
+        const Pack<T, VEC> wv = load_pack<T, VEC, VECTOR_IO>(weight, vi, hidden);
+        Pack<T, VEC> out;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      // (x * inv_rms) * w: normalise first, then scale, one rounding at the end.
-      const float normed = Convert<T>::to_float(xv[k].v[j]) * inv_rms;
-      out.v[j] = Convert<T>::from_float(normed * Convert<T>::to_float(wv.v[j]));
+        for (int j = 0; j < VEC; ++j) {
+          // (x * inv_rms) * w: normalise first, then scale, one rounding at the end.
+          const float normed = Convert<T>::to_float(cur[k].v[j]) * inv_rms;
+          out.v[j] = Convert<T>::from_float(normed * Convert<T>::to_float(wv.v[j]));
+        }
+        store_pack<T, VEC, VECTOR_IO>(y_row, vi, hidden, out);
+      }
     }
-    store_pack<T, VEC>(y_row, vi, hidden, aligned, out);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) cur[k] = next[k];
+    row = next_row;
   }
 }
 
@@ -141,14 +167,13 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
 // groups take rows g, g + groups, ... of the tile in order, each group accumulating its rows'
 // dy * xhat into fp32 registers, then the groups' sums are added in group order. The tile sum
 // goes to workspace[tile, :].
-template <typename T, int VPT>
+template <typename T, int VPT, bool VECTOR_IO>
 __global__ void __launch_bounds__(LaunchBound<VPT>::value)
     rms_norm_bwd_kernel(const T* __restrict__ grad_out, int64_t grad_out_row_stride,
                         const T* __restrict__ x, int64_t x_row_stride,
                         const T* __restrict__ weight, T* __restrict__ grad_x,
                         int64_t grad_x_row_stride, float* __restrict__ tile_sums, int64_t rows,
-                        int64_t hidden, float eps, int threads_per_row, int64_t tile_rows,
-                        bool aligned) {
+                        int64_t hidden, float eps, int threads_per_row, int64_t tile_rows) {
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float scratch[2][2][kMaxWarpsPerBlock];
   extern __shared__ float group_sums[];  // [groups, hidden] when a block holds several groups
@@ -162,27 +187,39 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
   float dweight[VPT][VEC];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
-    wv[k] = load_pack<T, VEC>(weight, static_cast<int64_t>(k) * threads_per_row + lane, hidden, aligned);
+    wv[k] = load_pack<T, VEC, VECTOR_IO>(weight, static_cast<int64_t>(k) * threads_per_row + lane, hidden);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) dweight[k][j] = 0.f;
   }
 
-  const int64_t steps = tile_rows / groups;
-  for (int64_t step = 0; step < steps; ++step) {
-    const int64_t first_row_of_step = tile_start + step * groups;
-    if (first_row_of_step >= rows) break;  // uniform across the block
-    const int64_t row = first_row_of_step + group;
-    const bool valid = row < rows;
-    const int64_t r = valid ? row : 0;
-    const int64_t valid_hidden = valid ? hidden : 0;
-    Pack<T, VEC> xv[VPT], gv[VPT];
+  // Rows of the tile are visited in steps of `groups` rows; the next step's x and dy are
+  // loaded before the current step's reductions so that the loads overlap them.
+  const int64_t tile_end = tile_start + tile_rows < rows ? tile_start + tile_rows : rows;
+  Pack<T, VEC> xv[VPT], gv[VPT], x_next[VPT], g_next[VPT];
+  int64_t row = tile_start + group;
+  {
+    const int64_t r = row < tile_end ? row : 0;
+    const int64_t valid_hidden = row < tile_end ? hidden : 0;
+    load_row<T, VEC, VPT, VECTOR_IO>(xv, x + r * x_row_stride, lane, threads_per_row, valid_hidden);
+    load_row<T, VEC, VPT, VECTOR_IO>(gv, grad_out + r * grad_out_row_stride, lane, threads_per_row,
+                          valid_hidden);
+  }
+  int parity = 0;
+  // The loop bound is the same for every thread of the block (barriers inside).
+  for (int64_t first = tile_start; first < tile_end; first += groups, parity ^= 1) {
+    const int64_t next_row = row + groups;
+    {
+      const int64_t r = next_row < tile_end ? next_row : 0;
+      const int64_t valid_hidden = next_row < tile_end ? hidden : 0;
+      load_row<T, VEC, VPT, VECTOR_IO>(x_next, x + r * x_row_stride, lane, threads_per_row,
+                                       valid_hidden);
+      load_row<T, VEC, VPT, VECTOR_IO>(g_next, grad_out + r * grad_out_row_stride, lane,
+                                       threads_per_row, valid_hidden);
+    }
     // sums[0] = sum x^2, sums[1] = sum dy * w * x
     float sums[2] = {0.f, 0.f};
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-      const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
-      xv[k] = load_pack<T, VEC>(x + r * x_row_stride, vi, valid_hidden, aligned);
-      gv[k] = load_pack<T, VEC>(grad_out + r * grad_out_row_stride, vi, valid_hidden, aligned);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float xf = Convert<T>::to_float(xv[k].v[j]);
@@ -191,26 +228,33 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
         sums[1] = fmaf(gf, xf, sums[1]);
       }
     }
-    row_allreduce<2>(sums, threads_per_row, scratch[step & 1]);
-    if (!valid) continue;
-    const float inv_rms = inv_rms_of(sums[0], hidden, eps);
-    // dx = inv_rms * (dy * w - xhat * mean(dy * w * xhat)), mean(dy * w * xhat) = c below.
-    const float c = sums[1] * inv_rms / static_cast<float>(hidden);
-    T* dx_row = grad_x + row * grad_x_row_stride;
+    row_allreduce<2>(sums, threads_per_row, scratch[parity]);
+    if (row < tile_end) {
+      const float inv_rms = inv_rms_of(sums[0], hidden, eps);
+      // dx = inv_rms * (dy * w - xhat * mean(dy * w * xhat)), mean(dy * w * xhat) = c below.
+      const float c = sums[1] * inv_rms / static_cast<float>(hidden);
+      T* dx_row = grad_x + row * grad_x_row_stride;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
+        Pack<T, VEC> out;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xhat = Convert<T>::to_float(xv[k].v[j]) * inv_rms;
+          const float dy = Convert<T>::to_float(gv[k].v[j]);
+          out.v[j] = Convert<T>::from_float(
+              inv_rms * fmaf(-xhat, c, dy * Convert<T>::to_float(wv[k].v[j])));
+          dweight[k][j] = fmaf(dy, xhat, dweight[k][j]);
+        }
+        if (vi * VEC < hidden) store_pack<T, VEC, VECTOR_IO>(dx_row, vi, hidden, out);
+      }
+    }
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-      const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
-      Pack<T, VEC> out;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float xhat = Convert<T>::to_float(xv[k].v[j]) * inv_rms;
-        const float dy = Convert<T>::to_float(gv[k].v[j]);
-        out.v[j] = Convert<T>::from_float(
-            inv_rms * fmaf(-xhat, c, dy * Convert<T>::to_float(wv[k].v[j])));
-        dweight[k][j] = fmaf(dy, xhat, dweight[k][j]);
-      }
-      if (vi * VEC < hidden) store_pack<T, VEC>(dx_row, vi, hidden, aligned, out);
+      xv[k] = x_next[k];
+      gv[k] = g_next[k];
     }
+    row = next_row;
   }
 
   float* tile_out = tile_sums + static_cast<int64_t>(blockIdx.x) * hidden;
@@ -242,9 +286,11 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
 }
 
 // dweight[h] = accum[h] (or 0) + tile_sums[0, h] + tile_sums[1, h] + ..., strictly in tile
-// order: the chaining contract. Loads are batched so many are in flight; the adds stay in order.
-constexpr int kTileSumThreads = 128;
-constexpr int kTileSumBatch = 32;
+// order: the chaining contract. The adds are a dependent chain per column, so the kernel is
+// latency-bound: one warp per block spreads the columns over all multiprocessors, and each
+// thread keeps a deep batch of independent loads in flight ahead of its in-order adds.
+constexpr int kTileSumThreads = 32;
+constexpr int kTileSumBatch = 64;
 
 __global__ void __launch_bounds__(kTileSumThreads)
     rms_norm_dweight_tile_sum_kernel(const float* __restrict__ tile_sums, int64_t tiles,
@@ -273,20 +319,24 @@ bool rows_aligned16(const void* p, int64_t row_stride) {
   return is_aligned16(p) && (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0;
 }
 
-// Calls f(T{}, std::integral_constant<int, VPT>{}) for the runtime dtype and partition.
-template <int VPT>
-struct VptTag {
-  static constexpr int value = VPT;
+template <int VPT, bool VECTOR_IO>
+struct KernelShape {
+  static constexpr int vecs_per_thread = VPT;
+  static constexpr bool vector_io = VECTOR_IO;
 };
 
+// Calls f(KernelShape<VPT, VECTOR_IO>{}) for the runtime partition and I/O mode.
 template <typename F>
-gpuError_t dispatch_vpt(int vecs_per_thread, F&& f) {
-  switch (vecs_per_thread) {
-    case 1: return f(VptTag<1>{});
-    case 2: return f(VptTag<2>{});
-    case 4: return f(VptTag<4>{});
-    case 8: return f(VptTag<8>{});
-    default: return f(VptTag<8>{});  // unreachable: rms_norm_gpu_partition returns 1, 2, 4 or 8
+gpuError_t dispatch_shape(int vecs_per_thread, bool vector_io, F&& f) {
+  switch (vecs_per_thread * 2 + (vector_io ? 1 : 0)) {
+    case 2: return f(KernelShape<1, false>{});
+    case 3: return f(KernelShape<1, true>{});
+    case 4: return f(KernelShape<2, false>{});
+    case 5: return f(KernelShape<2, true>{});
+    case 8: return f(KernelShape<4, false>{});
+    case 9: return f(KernelShape<4, true>{});
+    case 17: return f(KernelShape<8, true>{});
+    default: return f(KernelShape<8, false>{});  // rms_norm_gpu_partition returns 1, 2, 4 or 8
   }
 }
 
@@ -300,9 +350,18 @@ gpuError_t dispatch_dtype(DType dtype, F&& f) {
   return f(float{});  // unreachable: the launcher validates the dtype
 }
 
-template <typename T>
-int elem_size_of() {
-  return static_cast<int>(sizeof(T));
+// How many blocks of `kernel` the current device runs at once (the persistent grid size),
+// cached per kernel and device.
+template <typename Kernel>
+int64_t resident_blocks(Kernel kernel, int block_threads) {
+  constexpr int kMaxDevices = 64;
+  static int64_t cached[kMaxDevices] = {};
+  const int device = current_device();
+  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  const int64_t blocks = static_cast<int64_t>(multiprocessor_count(device)) *
+                         max_active_blocks_per_multiprocessor(kernel, block_threads);
+  if (device < kMaxDevices) cached[device] = blocks;
+  return blocks;
 }
 
 }  // namespace
@@ -313,15 +372,18 @@ gpuError_t rms_norm_fwd_cuda(DType dtype, const void* x, int64_t x_row_stride, c
   if (rows == 0 || hidden == 0) return kGpuSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, elem_size_of<T>());
-    const bool aligned = rows_aligned16<T>(x, x_row_stride) &&
-                         rows_aligned16<T>(y, y_row_stride) && is_aligned16(weight);
-    const int64_t blocks = ceil_div(rows, part.rows_per_block());
-    return dispatch_vpt(part.vecs_per_thread, [&](auto vpt) {
-      rms_norm_fwd_kernel<T, decltype(vpt)::value>
-          <<<static_cast<unsigned>(blocks), part.block_threads, 0, stream>>>(
-              static_cast<const T*>(x), x_row_stride, static_cast<const T*>(weight),
-              static_cast<T*>(y), y_row_stride, rows, hidden, eps, part.threads_per_row, aligned);
+    const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, static_cast<int>(sizeof(T)));
+    const bool vector_io = hidden % part.vec == 0 && rows_aligned16<T>(x, x_row_stride) &&
+                           rows_aligned16<T>(y, y_row_stride) && is_aligned16(weight);
+    const int64_t row_groups = ceil_div(rows, part.rows_per_block());
+    return dispatch_shape(part.vecs_per_thread, vector_io, [&](auto shape) {
+      using Shape = decltype(shape);
+      const auto kernel = rms_norm_fwd_kernel<T, Shape::vecs_per_thread, Shape::vector_io>;
+      const int64_t resident = resident_blocks(kernel, part.block_threads);
+      const int64_t blocks = row_groups < resident ? row_groups : resident;
+      kernel<<<static_cast<unsigned>(blocks), part.block_threads, 0, stream>>>(
+          static_cast<const T*>(x), x_row_stride, static_cast<const T*>(weight),
+          static_cast<T*>(y), y_row_stride, rows, hidden, eps, part.threads_per_row);
       return gpu_last_error();
     });
   });
@@ -342,19 +404,20 @@ gpuError_t rms_norm_bwd_cuda(DType dtype, const void* grad_out, int64_t grad_out
   if (rows > 0) {
     const gpuError_t err = dispatch_dtype(dtype, [&](auto tag) {
       using T = decltype(tag);
-      const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, elem_size_of<T>());
-      const bool aligned = rows_aligned16<T>(grad_out, grad_out_row_stride) &&
-                           rows_aligned16<T>(x, x_row_stride) &&
-                           rows_aligned16<T>(grad_x, grad_x_row_stride) && is_aligned16(weight);
+      const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, static_cast<int>(sizeof(T)));
+      const bool vector_io = hidden % part.vec == 0 &&
+                             rows_aligned16<T>(grad_out, grad_out_row_stride) &&
+                             rows_aligned16<T>(x, x_row_stride) &&
+                             rows_aligned16<T>(grad_x, grad_x_row_stride) && is_aligned16(weight);
       const int groups = part.rows_per_block();
       const size_t smem = groups > 1 ? static_cast<size_t>(groups) * hidden * sizeof(float) : 0;
-      return dispatch_vpt(part.vecs_per_thread, [&](auto vpt) {
-        rms_norm_bwd_kernel<T, decltype(vpt)::value>
+      return dispatch_shape(part.vecs_per_thread, vector_io, [&](auto shape) {
+        using Shape = decltype(shape);
+        rms_norm_bwd_kernel<T, Shape::vecs_per_thread, Shape::vector_io>
             <<<static_cast<unsigned>(tiles), part.block_threads, smem, stream>>>(
                 static_cast<const T*>(grad_out), grad_out_row_stride, static_cast<const T*>(x),
                 x_row_stride, static_cast<const T*>(weight), static_cast<T*>(grad_x),
-                grad_x_row_stride, workspace, rows, hidden, eps, part.threads_per_row, tile_rows,
-                aligned);
+                grad_x_row_stride, workspace, rows, hidden, eps, part.threads_per_row, tile_rows);
         return gpu_last_error();
       });
     });

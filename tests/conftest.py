@@ -1,0 +1,36 @@
+"""Shared fixtures: every op test runs on CPU and, where a GPU is present, on CUDA."""
+
+import pytest
+import torch
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def dtype(request) -> torch.dtype:
+    return request.param
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape: int, dtype: torch.dtype, device: str, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """Fresh random values from a seeded CPU generator (the same values on every device)."""
+    t = torch.randn(*shape, generator=make_generator(seed), dtype=torch.float32) * scale
+    return t.to(dtype=dtype, device=device)

@@ -1,0 +1,344 @@
+"""rms_norm: invariance (Axis-A), accuracy (Axis-B), registration, bad input, odd shapes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rl_engine_ext
+from rl_engine_ext import contract, testing
+from rl_engine_ext.ops import rms_norm as rms_mod
+
+from conftest import randn
+
+EPS = 1e-6
+HIDDEN_SIZES = [128, 4095, 4096]
+
+
+def test_native_library_is_loaded():
+    """The default build has native kernels; a GPU build must have registered CUDA kernels."""
+    assert rl_engine_ext.NATIVE_AVAILABLE, rl_engine_ext.NATIVE_UNAVAILABLE_REASON
+    assert rl_engine_ext.has_native_kernel("rms_norm", "cpu")
+    assert rl_engine_ext.has_native_kernel("rms_norm_backward", "cpu")
+    if torch.cuda.is_available():
+        assert rl_engine_ext.has_native_kernel("rms_norm", "cuda")
+        assert rl_engine_ext.has_native_kernel("rms_norm_backward", "cuda")
+
+
+# ------------------------------------------------------------------------------------------
+# Axis-A: invariance through the shared harness
+# ------------------------------------------------------------------------------------------
+
+
+def _row_counts(device: str, hidden: int) -> list[int]:
+    if device == "cuda":
+        return [1, 2, 3, 31, 257, 1000, 4097, 16384] if hidden >= 4095 else [1, 3, 257, 4097, 16384]
+    return [1, 3, 257] if hidden >= 4095 else [1, 3, 257, 1500]
+
+
+def _chain(weight: torch.Tensor):
+    def chain(rows, cotangents, accum):
+        (x,) = rows
+        (dy,) = cotangents
+        _, dweight = rl_engine_ext.rms_norm_backward(
+            dy, x, weight, EPS, None if accum is None else accum["weight"]
+        )
+        return {"weight": dweight}
+
+    return chain
+
+
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+def test_invariance_forward_and_gradients(device, dtype, hidden):
+    """Rows and row gradients are bitwise independent of the batch; dweight is run-to-run
+    identical, padding invariant and chainable at the documented tile."""
+    weight = randn(hidden, dtype=dtype, device=device, seed=1, scale=0.5) + 1
+    for rows in _row_counts(device, hidden):
+        x = randn(rows, hidden, dtype=dtype, device=device, seed=rows, scale=2.0)
+        report = testing.check_invariance(
+            lambda x, weight: rl_engine_ext.rms_norm(x, weight, EPS),
+            [x],
+            {"weight": weight},
+            seed=rows,
+            weight_grad_tile=rl_engine_ext.rms_norm_tile_rows(hidden),
+            weight_grad_chain=_chain(weight),
+        )
+        testing.assert_invariant(report)
+
+
+def test_invariance_qk_norm_layout(device, dtype):
+    """QK-norm on [B, S, heads, 128]: a sequence's output and dq do not depend on the other
+    sequences. (The harness's rows are sequences here, 264 norm rows each, so dweight's tiles of
+    1024 norm rows don't align with them; dweight is covered by the 2-D tests.)"""
+    q = randn(6, 33, 8, 128, dtype=dtype, device=device, seed=7)
+    weight = randn(128, dtype=dtype, device=device, seed=8) + 1
+    report = testing.check_invariance(lambda q: rl_engine_ext.rms_norm(q, weight, EPS), [q], seed=3)
+    testing.assert_invariant(report)
+
+
+@pytest.mark.parametrize("hidden", [128, 4095, 4096])
+def test_unaligned_rows_match_aligned_rows(device, dtype, hidden):
+    """Rows that can't be read as 16-byte vectors take the element-wise load path; it must give
+    the same bits as the vector path (same elements per thread, same order)."""
+    rows = 37
+    weight = randn(hidden, dtype=dtype, device=device, seed=2) + 1
+    flat = randn(rows * hidden + 1, dtype=dtype, device=device, seed=3)
+    unaligned = flat[1:].view(rows, hidden)
+    aligned = unaligned.clone()
+    assert unaligned.data_ptr() % 16 != 0 and aligned.data_ptr() % 16 == 0
+    assert torch.equal(rl_engine_ext.rms_norm(unaligned, weight, EPS), rl_engine_ext.rms_norm(aligned, weight, EPS))
+    dy = randn(rows, hidden, dtype=dtype, device=device, seed=4)
+    dy_unaligned = randn(rows * hidden + 1, dtype=dtype, device=device, seed=4)[1:].view(rows, hidden)
+    dy_unaligned.copy_(dy)
+    got = rl_engine_ext.rms_norm_backward(dy_unaligned, unaligned, weight, EPS)
+    want = rl_engine_ext.rms_norm_backward(dy, aligned, weight, EPS)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_strided_and_noncontiguous_inputs(device, dtype):
+    """Row-strided views are read in place, non-contiguous inputs are copied: same bits."""
+    hidden = 4096
+    weight = randn(hidden, dtype=dtype, device=device, seed=5) + 1
+    wide = randn(9, 2 * hidden, dtype=dtype, device=device, seed=6)
+    strided = wide[:, :hidden]
+    assert not strided.is_contiguous()
+    assert torch.equal(rl_engine_ext.rms_norm(strided, weight, EPS), rl_engine_ext.rms_norm(strided.contiguous(), weight, EPS))
+    transposed = randn(hidden, 9, dtype=dtype, device=device, seed=7).t()
+    assert torch.equal(
+        rl_engine_ext.rms_norm(transposed, weight, EPS), rl_engine_ext.rms_norm(transposed.contiguous(), weight, EPS)
+    )
+
+
+def test_chaining_does_not_modify_accumulator(device):
+    hidden = 4096
+    tile = rl_engine_ext.rms_norm_tile_rows(hidden)
+    x = randn(3 * tile + 5, hidden, dtype=torch.bfloat16, device=device, seed=9)
+    dy = randn(3 * tile + 5, hidden, dtype=torch.bfloat16, device=device, seed=10)
+    w = randn(hidden, dtype=torch.bfloat16, device=device, seed=11)
+    _, whole = rl_engine_ext.rms_norm_backward(dy, x, w, EPS)
+    _, first = rl_engine_ext.rms_norm_backward(dy[:tile], x[:tile], w, EPS)
+    saved = first.clone()
+    _, chained = rl_engine_ext.rms_norm_backward(dy[tile:], x[tile:], w, EPS, first)
+    assert torch.equal(first, saved)
+    assert torch.equal(chained, whole)
+
+
+def test_tile_rows_matches_documentation():
+    assert rl_engine_ext.rms_norm_tile_rows(4096) == 32
+    assert rl_engine_ext.rms_norm_tile_rows(4095) == 32
+    assert rl_engine_ext.rms_norm_tile_rows(1024) == 128
+    assert rl_engine_ext.rms_norm_tile_rows(128) == 1024
+
+
+# ------------------------------------------------------------------------------------------
+# Axis-B: accuracy against the fp32 ground truth
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("rows", [1, 3, 257])
+def test_forward_accuracy(device, dtype, hidden, rows):
+    x = randn(rows, hidden, dtype=dtype, device=device, seed=rows + hidden, scale=3.0)
+    w = randn(hidden, dtype=dtype, device=device, seed=12, scale=0.5) + 1
+    got = rl_engine_ext.rms_norm(x, w, EPS)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = contract.tolerance("rms_norm", dtype, "forward")
+    truth = rms_mod.reference_forward_fp32(x, w, EPS)
+    torch.testing.assert_close(got.float(), truth, atol=tol.atol, rtol=tol.rtol)
+    # The dtype path of the reference rounds the same fp32 value once: at most one ulp apart.
+    ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got.float(), rms_mod.reference_forward(x, w, EPS).float(), atol=ulp * 8, rtol=ulp)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+def test_gradient_accuracy(device, dtype, hidden):
+    rows = 67
+    x = randn(rows, hidden, dtype=dtype, device=device, seed=13, scale=2.0)
+    w = randn(hidden, dtype=dtype, device=device, seed=14, scale=0.5) + 1
+    dy = randn(rows, hidden, dtype=dtype, device=device, seed=15)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    rl_engine_ext.rms_norm(xg, wg, EPS).backward(dy)
+    assert xg.grad.dtype == dtype and wg.grad.dtype == dtype
+
+    xt, wt = x.float().requires_grad_(), w.float().requires_grad_()
+    with contract.fp32_reference_mode():
+        rms_mod._normalize_fp32(xt, wt, EPS).backward(dy.float())
+    tol = contract.tolerance("rms_norm", dtype, "gradient")
+    torch.testing.assert_close(xg.grad.float(), xt.grad, atol=tol.atol, rtol=tol.rtol)
+    # dweight sums `rows` terms: scale the tolerance by the magnitude of the sum.
+    scale = max(1.0, xt.grad.abs().max().item(), wt.grad.abs().max().item())
+    torch.testing.assert_close(wg.grad.float(), wt.grad, atol=tol.atol * scale, rtol=tol.rtol)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+    hidden=st.integers(1, 300),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
+def test_shape_fuzz_cpu(lead, hidden, dtype):
+    """Any leading dims, any H: accurate, and the first row alone gives the same bits."""
+    x = randn(*lead, hidden, dtype=dtype, device="cpu", seed=hidden)
+    w = randn(hidden, dtype=dtype, device="cpu", seed=hidden + 1)
+    got = rl_engine_ext.rms_norm(x, w, EPS)
+    tol = contract.tolerance("rms_norm", dtype, "forward")
+    torch.testing.assert_close(got.float(), rms_mod.reference_forward_fp32(x, w, EPS), atol=tol.atol, rtol=tol.rtol)
+    rows = x.reshape(-1, hidden)
+    assert torch.equal(rl_engine_ext.rms_norm(rows[:1], w, EPS), got.reshape(-1, hidden)[:1])
+
+
+# ------------------------------------------------------------------------------------------
+# Odd shapes and bad input
+# ------------------------------------------------------------------------------------------
+
+
+def test_empty_batch(device, dtype):
+    x = torch.empty(0, 4096, dtype=dtype, device=device)
+    w = randn(4096, dtype=dtype, device=device, seed=16)
+    y = rl_engine_ext.rms_norm(x, w, EPS)
+    assert y.shape == (0, 4096) and y.dtype == dtype
+    dx, dw = rl_engine_ext.rms_norm_backward(x, x, w, EPS)
+    assert dx.shape == (0, 4096) and torch.equal(dw, torch.zeros(4096, device=device))
+    acc = randn(4096, dtype=torch.float32, device=device, seed=17)
+    assert torch.equal(rl_engine_ext.rms_norm_backward(x, x, w, EPS, acc)[1], acc)
+    xe = torch.empty(2, 0, 3, 0, dtype=dtype, device=device)
+    assert rl_engine_ext.rms_norm(xe, torch.empty(0, dtype=dtype, device=device), EPS).shape == xe.shape
+
+
+@pytest.mark.parametrize(
+    "bad_dtype", [torch.float64, torch.int32, torch.int64, torch.float8_e4m3fn, torch.complex64]
+)
+def test_rejects_unsupported_dtypes(device, bad_dtype):
+    x = torch.ones(3, 8, device=device).to(bad_dtype)
+    w = torch.ones(8, device=device).to(bad_dtype)
+    with pytest.raises(ValueError, match=r"rms_norm.*unsupported dtype.*" + str(bad_dtype).removeprefix("torch.")):
+        rl_engine_ext.rms_norm(x, w, EPS)
+    with pytest.raises(ValueError, match="rms_norm_backward.*unsupported dtype"):
+        rl_engine_ext.rms_norm_backward(x, x, w, EPS)
+
+
+def test_rejects_bad_arguments(device):
+    x = randn(4, 16, dtype=torch.bfloat16, device=device, seed=18)
+    w = randn(16, dtype=torch.bfloat16, device=device, seed=19)
+    with pytest.raises(ValueError, match="weight has 15 elements"):
+        rl_engine_ext.rms_norm(x, w[:15], EPS)
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        rl_engine_ext.rms_norm(x, w.view(2, 8), EPS)
+    with pytest.raises(ValueError, match="differs from x dtype"):
+        rl_engine_ext.rms_norm(x, w.float(), EPS)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        rl_engine_ext.rms_norm(x, w, -1.0)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        rl_engine_ext.rms_norm(x[0, 0], w[:1], EPS)
+    with pytest.raises(ValueError, match="grad_out shape"):
+        rl_engine_ext.rms_norm_backward(x[:3], x, w, EPS)
+    with pytest.raises(ValueError, match="dweight_accum must be torch.float32"):
+        rl_engine_ext.rms_norm_backward(x, x, w, EPS, torch.zeros(16, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match=r"dweight_accum must have shape \[16\]"):
+        rl_engine_ext.rms_norm_backward(x, x, w, EPS, torch.zeros(15, device=device))
+
+
+@pytest.mark.cuda
+def test_rejects_mismatched_devices():
+    x = randn(4, 16, dtype=torch.bfloat16, device="cuda", seed=20)
+    w = randn(16, dtype=torch.bfloat16, device="cpu", seed=21)
+    with pytest.raises(RuntimeError, match="weight is on cpu"):
+        rl_engine_ext.rms_norm(x, w, EPS)
+
+
+@pytest.mark.cuda
+def test_rejects_hidden_beyond_gpu_limit():
+    hidden = 65536 + 8
+    x = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="exceeds the GPU kernel's limit"):
+        rl_engine_ext.rms_norm(x, x[0], EPS)
+
+
+# ------------------------------------------------------------------------------------------
+# Registration: opcheck, torch.compile, fallback
+# ------------------------------------------------------------------------------------------
+
+
+def _opcheck_samples(device: str):
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in ((5, 128), (2, 3, 4095), (0, 64)):
+            hidden = shape[-1]
+            x = randn(*shape, dtype=dtype, device=device, seed=22)
+            w = randn(hidden, dtype=dtype, device=device, seed=23)
+            yield x, w
+            yield x.clone().requires_grad_(), w.clone().requires_grad_()
+
+
+def test_opcheck(device):
+    for x, w in _opcheck_samples(device):
+        torch.library.opcheck(torch.ops.rl_align.rms_norm.default, (x, w, EPS))
+        dy = torch.randn_like(x.detach())
+        acc = torch.randn(x.shape[-1], device=device)
+        for accum in (None, acc):
+            torch.library.opcheck(
+                torch.ops.rl_align.rms_norm_backward.default, (dy, x.detach(), w.detach(), EPS, accum)
+            )
+
+
+def test_torch_compile_fullgraph(device):
+    """The op is opaque to the compiler: no graph break, and the compiled result is bitwise eager."""
+    torch._dynamo.reset()
+    x = randn(8, 256, dtype=torch.bfloat16, device=device, seed=24, scale=2.0)
+    w = randn(256, dtype=torch.bfloat16, device=device, seed=25)
+
+    def block(x, w):
+        return rl_engine_ext.rms_norm(x * 2, w, EPS) + 1
+
+    compiled = torch.compile(block, fullgraph=True)
+    assert torch.equal(compiled(x, w), block(x, w))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    compiled(xg, wg).sum().backward()
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    block(xe, we).sum().backward()
+    assert torch.equal(xg.grad, xe.grad) and torch.equal(wg.grad, we.grad)
+
+
+FALLBACK_SCRIPT = r"""
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import rl_engine_ext
+    import rl_engine_ext.ops.rms_norm as m
+import torch
+msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+assert len(msgs) == 1 and "NOT guaranteed" in msgs[0], msgs
+assert not rl_engine_ext.NATIVE_AVAILABLE
+try:
+    torch.ops.rl_align.rms_norm
+except (AttributeError, RuntimeError):
+    pass
+else:
+    raise AssertionError("the native library was loaded although RL_ENGINE_EXT_NO_NATIVE=1")
+x = torch.randn(5, 64, dtype=torch.bfloat16)
+w = torch.randn(64, dtype=torch.bfloat16)
+assert torch.equal(rl_engine_ext.rms_norm(x, w), m.reference_forward(x, w))
+xg = x.clone().requires_grad_(); wg = w.clone().requires_grad_()
+rl_engine_ext.rms_norm(xg, wg).sum().backward()
+dx, dw = rl_engine_ext.rms_norm_backward(torch.ones_like(x), x, w)
+torch.testing.assert_close(xg.grad.float(), dx.float(), atol=2e-2, rtol=2e-2)
+try:
+    rl_engine_ext.rms_norm(x.double(), w.double())
+except ValueError as e:
+    assert "unsupported dtype" in str(e)
+else:
+    raise AssertionError("fp64 accepted")
+print("fallback ok")
+"""
+
+
+def test_reference_fallback_when_native_disabled():
+    env = dict(os.environ, RL_ENGINE_EXT_NO_NATIVE="1")
+    done = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "fallback ok" in done.stdout
