@@ -1,0 +1,124 @@
+"""rms_norm benchmark: rl_engine_ext vs F.rms_norm vs the physical limit, ratios in one run.
+
+    python benchmarks/bench_rms_norm.py [--device cuda|cpu] [--out benchmarks/results] [--quick]
+
+Bytes moved (the minimum): fwd = read x + write y + read w; fwd+bwd adds read dy, x, w and
+write dx, dw. The limit is bytes / measured copy bandwidth (read + write). A same-size copy
+(y.copy_(x)) is timed too: at small sizes even a copy stays below the large-copy bandwidth.
+Targets (H100, bf16): fwd >= 0.85 of copy bandwidth at M >= 4096, H=4096; M=1 <= 10 us per
+call; fwd+bwd >= 0.70 of copy bandwidth at M=16384.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import rl_engine_ext  # noqa: E402
+from benchmarks.common import CsvWriter, bench, bench_wall, device_info, measure_copy_bandwidth, plot_fraction_of_limit  # noqa: E402
+
+EPS = 1e-6
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def providers() -> dict[str, object]:
+    return {
+        "rl_engine_ext": lambda x, w: rl_engine_ext.rms_norm(x, w, EPS),
+        "torch": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS),
+    }
+
+
+def bytes_moved(mode: str, rows: int, hidden: int, elem: int) -> int:
+    fwd = 2 * rows * hidden * elem + hidden * elem
+    return fwd if mode == "fwd" else fwd + 3 * rows * hidden * elem + 2 * hidden * elem
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
+    parser.add_argument("--tag", default=None, help="file-name tag (default: the device name)")
+    args = parser.parse_args()
+    device = args.device
+    row_counts = [1, 64] if args.quick else [1, 64, 4096, 16384]
+    hiddens = [128] if args.quick else [128, 4096]
+    rep_ms = 20 if args.quick else 100
+
+    info = device_info(device)
+    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
+    out = CsvWriter(os.path.join(args.out, f"rms_norm_{tag}.csv"), info)
+    copy_bw = measure_copy_bandwidth(device)
+    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps", copy_bw / 1e12, unit="TB/s")
+    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
+          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+
+    table = []
+    gen = torch.Generator().manual_seed(0)
+    for dtype_name, dtype in DTYPES.items():
+        for hidden in hiddens:
+            for rows in row_counts:
+                shape = f"{rows}x{hidden}"
+                x = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=dtype)
+                w = (torch.randn(hidden, generator=gen) * 0.1 + 1).to(device=device, dtype=dtype)
+                dy = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=dtype)
+                elem = x.element_size()
+                y_copy = torch.empty_like(x)
+                same_size_copy = bench(lambda: y_copy.copy_(x), device=device, rep_ms=rep_ms)
+                for mode in ("fwd", "fwd+bwd"):
+                    nbytes = bytes_moved(mode, rows, hidden, elem)
+                    limit_us = nbytes / copy_bw * 1e6
+                    out.add("rms_norm", "limit", shape, dtype_name, mode, "time_us", limit_us, unit="us")
+                    if mode == "fwd":
+                        out.add("rms_norm", "copy_same_size", shape, dtype_name, mode, "frac_of_copy",
+                                2 * rows * hidden * elem / (same_size_copy.median_us * 1e-6) / copy_bw)
+                    results = {}
+                    for provider, op in providers().items():
+                        if mode == "fwd":
+                            fn = lambda op=op: op(x, w)  # noqa: E731
+                            grad_to_none = None
+                        else:
+                            xg = x.clone().requires_grad_()
+                            wg = w.clone().requires_grad_()
+
+                            def fn(op=op, xg=xg, wg=wg):
+                                xg.grad = None
+                                wg.grad = None
+                                op(xg, wg).backward(dy)
+
+                        t = bench(fn, device=device, rep_ms=rep_ms)
+                        wall = bench_wall(fn, device=device, iters=20 if args.quick else 200)
+                        results[provider] = t
+                        bw = nbytes / (t.median_us * 1e-6)
+                        out.add("rms_norm", provider, shape, dtype_name, mode, "time_us", t.median_us, t.p20_us, t.p80_us, "us")
+                        out.add("rms_norm", provider, shape, dtype_name, mode, "wall_us", wall.median_us, wall.p20_us, wall.p80_us, "us")
+                        out.add("rms_norm", provider, shape, dtype_name, mode, "bandwidth_TBps", bw / 1e12, unit="TB/s")
+                        out.add("rms_norm", provider, shape, dtype_name, mode, "frac_of_copy", bw / copy_bw)
+                        if provider == "rl_engine_ext":
+                            ours_wall = wall
+                    ratio = results["torch"].median_us / results["rl_engine_ext"].median_us
+                    out.add("rms_norm", "rl_engine_ext", shape, dtype_name, mode, "ratio_vs_torch", ratio)
+                    ours = results["rl_engine_ext"].median_us
+                    table.append((shape, dtype_name, mode, ours, results["torch"].median_us, ratio,
+                                  nbytes / (ours * 1e-6) / copy_bw, ours_wall.median_us, limit_us))
+    out.write()
+    png = out.path.replace(".csv", ".png")
+    plot_fraction_of_limit(out.rows, png, f"rms_norm on {info['gpu']} (torch {info['torch']}, CUDA {info['cuda']})")
+    print(f"# wrote {out.path} and {png}")
+    print(f"{'shape':>11} {'dtype':>5} {'mode':>8} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'frac copy':>9} {'wall us':>8} {'limit us':>9}")
+    for shape, dt, mode, ours, theirs, ratio, frac, wall, limit in table:
+        print(f"{shape:>11} {dt:>5} {mode:>8} {ours:9.2f} {theirs:9.2f} {ratio:8.2f} {frac:9.3f} {wall:8.2f} {limit:9.2f}")
+    print("# targets (bf16): fwd frac copy >= 0.85 at 4096x4096 and 16384x4096; 1x4096 fwd <= 10 us; "
+          "fwd+bwd frac copy >= 0.70 at 16384x4096")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Smoke test of the benchmark scripts on CPU: they run and write well-formed CSVs (no timings
+are asserted)."""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_rms_norm_quick_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rms_norm.py"), "--device", "cpu", "--quick",
+         "--out", str(tmp_path), "--tag", "smoke"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    path = tmp_path / "rms_norm_smoke.csv"
+    with open(path) as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["op", "provider", "shape", "dtype", "mode", "metric", "median", "p20", "p80",
+                                     "unit", "gpu", "torch", "cuda"]
+        rows = list(reader)
+    for provider in ("rl_engine_ext", "torch"):
+        for mode in ("fwd", "fwd+bwd"):
+            for metric in ("time_us", "wall_us", "bandwidth_TBps", "frac_of_copy"):
+                sel = [r for r in rows if (r["provider"], r["mode"], r["metric"]) == (provider, mode, metric)]
+                assert len(sel) == 4, (provider, mode, metric)  # 2 row counts x 2 dtypes
+                assert all(math.isfinite(float(r["median"])) and float(r["median"]) > 0 for r in sel)
+    assert any(r["metric"] == "copy_bandwidth_TBps" for r in rows)
+    assert any(r["metric"] == "ratio_vs_torch" for r in rows)
