@@ -21,6 +21,26 @@ from setuptools import setup
 PY_LIMITED_API = "0x03090000"
 
 
+def torch_libstdcxx_link_args() -> list[str]:
+    """Links the libstdc++ that torch itself loaded.
+
+    A toolchain whose g++ finds only a static libstdc++.a (seen with a GCC under /opt) would put
+    a second copy of libstdc++ in the extension; iostream code from that copy then crashes on
+    locale state owned by torch's copy (any error message that formats an integer segfaults).
+    Naming torch's shared libstdc++ first makes every libstdc++ symbol resolve to it.
+    """
+    if not os.path.exists("/proc/self/maps"):
+        return []
+    import torch  # noqa: F401  (loads libstdc++ into this process)
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libstdc++.so"):
+                return [path]
+    return []
+
+
 def native_extensions():
     if os.environ.get("RL_ENGINE_EXT_NO_NATIVE", "0") == "1":
         return [], {}
@@ -28,7 +48,7 @@ def native_extensions():
     from torch.utils import cpp_extension
 
     csrc = "csrc"
-    cpu_sources = [os.path.join(csrc, "registration.cpp")] + sorted(
+    cpu_sources = [os.path.join(csrc, "registration.cpp"), os.path.join(csrc, "autograd.cpp")] + sorted(
         glob.glob(os.path.join(csrc, "cpu", "*.cpp"))
     )
     gpu_sources = sorted(glob.glob(os.path.join(csrc, "cuda", "*.cpp"))) + sorted(
@@ -44,6 +64,7 @@ def native_extensions():
             "rl_engine_ext._C",
             cpu_sources,
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=torch_libstdcxx_link_args(),
             py_limited_api=True,
         )
     else:
@@ -59,6 +80,7 @@ def native_extensions():
             "rl_engine_ext._C",
             cpu_sources + gpu_sources,
             extra_compile_args={"cxx": cxx_flags, "nvcc": device_flags},
+            extra_link_args=torch_libstdcxx_link_args(),
             py_limited_api=True,
         )
     build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=True)

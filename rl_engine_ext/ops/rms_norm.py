@@ -139,7 +139,7 @@ def rms_norm_backward(
 
 
 # ---------------------------------------------------------------------------------------------
-# Fake kernels and autograd for the native ops
+# Fake kernels for the native ops (autograd is registered in C++: csrc/autograd.cpp)
 # ---------------------------------------------------------------------------------------------
 
 if NATIVE_AVAILABLE:
@@ -154,22 +154,3 @@ if NATIVE_AVAILABLE:
         _check_args(x, weight, eps)
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
         return grad_x, x.new_empty((x.shape[-1],), dtype=torch.float32)
-
-    def _rms_norm_setup_context(ctx, inputs, output) -> None:
-        x, weight, eps = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-
-    def _rms_norm_autograd_backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x, grad_weight = torch.ops.rl_align.rms_norm_backward(
-            grad_out.contiguous(), x, weight, ctx.eps, None
-        )
-        if not ctx.needs_input_grad[0]:
-            grad_x = None
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_weight, None
-
-    torch.library.register_autograd(
-        "rl_align::rms_norm", _rms_norm_autograd_backward, setup_context=_rms_norm_setup_context
-    )
