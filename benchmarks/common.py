@@ -133,6 +133,8 @@ def plot_fraction_of_limit(rows: Iterable[dict[str, object]], path: str, title: 
     panels = sorted({(r["dtype"], r["mode"]) for r in rows})
     if not panels:
         return False
+    all_providers = sorted({r["provider"] for r in rows})
+    colors = {p: f"C{i}" for i, p in enumerate(all_providers)}  # the same colour in every panel
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (dtype, mode) in zip(axes[0], panels):
         sel = [r for r in rows if r["dtype"] == dtype and r["mode"] == mode]
@@ -141,7 +143,7 @@ def plot_fraction_of_limit(rows: Iterable[dict[str, object]], path: str, title: 
         width = 0.8 / max(1, len(providers))
         for k, provider in enumerate(providers):
             vals = [next((float(r["median"]) for r in sel if r["shape"] == s and r["provider"] == provider), 0.0) for s in shapes]
-            ax.bar([i + k * width for i in range(len(shapes))], vals, width, label=provider)
+            ax.bar([i + k * width for i in range(len(shapes))], vals, width, label=provider, color=colors[provider])
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="copy bandwidth")
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
         ax.set_xticklabels(shapes, rotation=45, ha="right", fontsize=7)

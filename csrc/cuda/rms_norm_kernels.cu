@@ -120,15 +120,17 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
   const int64_t row_groups = ceil_div(rows, rows_per_block);
 
   int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + group;
-  Pack<T, VEC> cur[VPT], next[VPT];
+  // A thread owns the same columns in every row it visits: its weight slice stays in registers.
+  Pack<T, VEC> wv[VPT], cur[VPT], next[VPT];
+  load_row<T, VEC, VPT, VECTOR_IO>(wv, weight, lane, threads_per_row, hidden);
   // Threads of a missing row still take part in the shuffles and barriers, on zeros.
-  load_row<T, VEC, VPT, VECTOR_IO>(cur, x + (row < rows ? row : 0) * x_row_stride, lane, threads_per_row,
-                        row < rows ? hidden : 0);
+  load_row<T, VEC, VPT, VECTOR_IO>(cur, x + (row < rows ? row : 0) * x_row_stride, lane,
+                                   threads_per_row, row < rows ? hidden : 0);
   int parity = 0;
   for (int64_t rg = blockIdx.x; rg < row_groups; rg += gridDim.x, parity ^= 1) {
     const int64_t next_row = row + static_cast<int64_t>(gridDim.x) * rows_per_block;
-    load_row<T, VEC, VPT, VECTOR_IO>(next, x + (next_row < rows ? next_row : 0) * x_row_stride, lane,
-                          threads_per_row, next_row < rows ? hidden : 0);
+    load_row<T, VEC, VPT, VECTOR_IO>(next, x + (next_row < rows ? next_row : 0) * x_row_stride,
+                                     lane, threads_per_row, next_row < rows ? hidden : 0);
     float sum_sq[1] = {0.f};
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -146,13 +148,12 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
       for (int k = 0; k < VPT; ++k) {
         const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
         if (vi * VEC >= hidden) break;
-        const Pack<T, VEC> wv = load_pack<T, VEC, VECTOR_IO>(weight, vi, hidden);
         Pack<T, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           // (x * inv_rms) * w: normalise first, then scale, one rounding at the end.
           const float normed = Convert<T>::to_float(cur[k].v[j]) * inv_rms;
-          out.v[j] = Convert<T>::from_float(normed * Convert<T>::to_float(wv.v[j]));
+          out.v[j] = Convert<T>::from_float(normed * Convert<T>::to_float(wv[k].v[j]));
         }
         store_pack<T, VEC, VECTOR_IO>(y_row, vi, hidden, out);
       }
@@ -187,7 +188,8 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
   float dweight[VPT][VEC];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
-    wv[k] = load_pack<T, VEC, VECTOR_IO>(weight, static_cast<int64_t>(k) * threads_per_row + lane, hidden);
+    wv[k] = load_pack<T, VEC, VECTOR_IO>(weight, static_cast<int64_t>(k) * threads_per_row + lane,
+                                         hidden);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) dweight[k][j] = 0.f;
   }
