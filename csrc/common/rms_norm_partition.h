@@ -30,8 +30,10 @@ struct RmsNormGpuPartition {
   int vec;               // elements per 16-byte vector
   int vecs_per_thread;   // 1, 2, 4 or 8 (a template parameter of the kernels)
   int threads_per_row;   // power of two, 1..1024
-  int block_threads;     // threads per block (several rows per block when threads_per_row is small)
+  int block_threads;     // forward: threads per block (several rows when threads_per_row is small)
+  int bwd_block_threads;  // backward: at least two row groups per block where registers allow
   int rows_per_block() const { return block_threads / threads_per_row; }
+  int bwd_row_groups() const { return bwd_block_threads / threads_per_row; }
 };
 
 constexpr int kRmsNormMaxThreadsPerRow = 1024;
@@ -67,6 +69,11 @@ inline RmsNormGpuPartition rms_norm_gpu_partition(int64_t hidden, int elem_size)
   p.threads_per_row = next_pow2((vecs + p.vecs_per_thread - 1) / p.vecs_per_thread);
   p.block_threads =
       p.threads_per_row < kRmsNormMinBlockThreads ? kRmsNormMinBlockThreads : p.threads_per_row;
+  // The backward walks each row tile sequentially; two row groups per block halve that chain.
+  // Rows of up to two vectors per thread fit twice in the register file (<= 128 registers).
+  p.bwd_block_threads = p.block_threads == p.threads_per_row && p.vecs_per_thread <= 2
+                            ? 2 * p.threads_per_row
+                            : p.block_threads;
   return p;
 }
 

@@ -54,9 +54,9 @@ __device__ __forceinline__ void store_pack(T* row, int64_t vec_index, int64_t hi
 
 // Sums each of the N values over the `threads_per_row` threads of a row; every thread of the row
 // ends with the same bits. Inside a warp: a butterfly (addition is commutative, so both partners
-// of an exchange compute the same sum). Across warps (threads_per_row > warp, one row per block):
-// warp sums go through shared memory and every thread adds them in warp order. `scratch` must not
-// be reused before the next __syncthreads (callers alternate two buffers).
+// of an exchange compute the same sum). Across warps (threads_per_row > warp):
+// warp sums go through shared memory and every thread adds its row's warp sums in warp order.
+// `scratch` must not be reused before the next __syncthreads (callers alternate two buffers).
 template <int N>
 __device__ __forceinline__ void row_allreduce(float (&v)[N], int threads_per_row,
                                               float (*scratch)[kMaxWarpsPerBlock]) {
@@ -68,6 +68,7 @@ __device__ __forceinline__ void row_allreduce(float (&v)[N], int threads_per_row
   if (threads_per_row <= kWarpSize) return;
   const int warp = threadIdx.x / kWarpSize;
   const int num_warps = threads_per_row / kWarpSize;
+  const int first_warp_of_row = threadIdx.x / threads_per_row * num_warps;
   if (threadIdx.x % kWarpSize == 0) {
 #pragma unroll
     for (int n = 0; n < N; ++n) scratch[n][warp] = v[n];
@@ -75,8 +76,8 @@ __device__ __forceinline__ void row_allreduce(float (&v)[N], int threads_per_row
   __syncthreads();
 #pragma unroll
   for (int n = 0; n < N; ++n) {
-    float s = scratch[n][0];
-    for (int w = 1; w < num_warps; ++w) s += scratch[n][w];
+    float s = scratch[n][first_warp_of_row];
+    for (int w = 1; w < num_warps; ++w) s += scratch[n][first_warp_of_row + w];
     v[n] = s;
   }
 }
@@ -86,11 +87,15 @@ __device__ __forceinline__ float inv_rms_of(float sum_sq, int64_t hidden, float 
   return rsqrtf(sum_sq / static_cast<float>(hidden) + eps);
 }
 
-// Large rows (8 vectors per thread) may use up to 1024 threads per row; the others stay at 256
-// threads per block, which leaves the compiler room for the register-resident row.
+// Launch bounds. Large rows (8 vectors per thread) may use up to 1024 threads per row; the
+// others use 256-thread forward blocks, which leaves the compiler room for the register-resident
+// row. Backward blocks of rows with <= 2 vectors per thread hold two row groups (512 threads).
 template <int VPT>
 struct LaunchBound {
-  static constexpr int value = VPT == kRmsNormMaxVecsPerThread ? kRmsNormMaxThreadsPerRow : 256;
+  static constexpr int fwd = VPT == kRmsNormMaxVecsPerThread ? kRmsNormMaxThreadsPerRow : 256;
+  static constexpr int bwd = VPT == kRmsNormMaxVecsPerThread ? kRmsNormMaxThreadsPerRow
+                             : VPT <= 2                      ? 512
+                                                             : 256;
 };
 
 // Loads a thread's VPT vectors of one row (zeros for a missing row: valid_hidden = 0).
@@ -108,7 +113,7 @@ __device__ __forceinline__ void load_row(Pack<T, VEC> (&packs)[VPT], const T* ro
 // rows before reducing the current one, so loads stay in flight across the row's reduction.
 // Which block handles a row never changes the row's arithmetic.
 template <typename T, int VPT, bool VECTOR_IO>
-__global__ void __launch_bounds__(LaunchBound<VPT>::value)
+__global__ void __launch_bounds__(LaunchBound<VPT>::fwd)
     rms_norm_fwd_kernel(const T* __restrict__ x, int64_t x_row_stride, const T* __restrict__ weight,
                         T* __restrict__ y, int64_t y_row_stride, int64_t rows, int64_t hidden,
                         float eps, int threads_per_row) {
@@ -169,7 +174,7 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
 // dy * xhat into fp32 registers, then the groups' sums are added in group order. The tile sum
 // goes to workspace[tile, :].
 template <typename T, int VPT, bool VECTOR_IO>
-__global__ void __launch_bounds__(LaunchBound<VPT>::value)
+__global__ void __launch_bounds__(LaunchBound<VPT>::bwd)
     rms_norm_bwd_kernel(const T* __restrict__ grad_out, int64_t grad_out_row_stride,
                         const T* __restrict__ x, int64_t x_row_stride,
                         const T* __restrict__ weight, T* __restrict__ grad_x,
@@ -288,30 +293,43 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::value)
 }
 
 // dweight[h] = accum[h] (or 0) + tile_sums[0, h] + tile_sums[1, h] + ..., strictly in tile
-// order: the chaining contract. The adds are a dependent chain per column, so the kernel is
-// latency-bound: one warp per block spreads the columns over all multiprocessors, and each
-// thread keeps a deep batch of independent loads in flight ahead of its in-order adds.
-constexpr int kTileSumThreads = 32;
-constexpr int kTileSumBatch = 64;
+// order: the chaining contract. The adds form one dependent chain per column, so the work is
+// latency-bound: a block owns kTileSumColumns columns; all its warps stage a chunk of tile rows
+// in shared memory (many loads in flight), then the first warp adds them in tile order.
+constexpr int kTileSumColumns = 32;
+constexpr int kTileSumLoaders = 8;
+constexpr int kTileSumChunk = 256;
+constexpr int kTileSumLoadsPerThread = kTileSumChunk / kTileSumLoaders;
 
-__global__ void __launch_bounds__(kTileSumThreads)
+__global__ void __launch_bounds__(kTileSumColumns * kTileSumLoaders)
     rms_norm_dweight_tile_sum_kernel(const float* __restrict__ tile_sums, int64_t tiles,
                                      int64_t hidden, const float* accum, float* out) {
-  const int64_t h = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (h >= hidden) return;
-  float acc = accum != nullptr ? accum[h] : 0.f;
-  for (int64_t t0 = 0; t0 < tiles; t0 += kTileSumBatch) {
-    float batch[kTileSumBatch];
+  __shared__ float stage[kTileSumChunk][kTileSumColumns];
+  const int lane = threadIdx.x % kTileSumColumns;
+  const int loader = threadIdx.x / kTileSumColumns;
+  const int64_t h = static_cast<int64_t>(blockIdx.x) * kTileSumColumns + lane;
+  const bool column = h < hidden;
+  float acc = loader == 0 && column && accum != nullptr ? accum[h] : 0.f;
+  for (int64_t t0 = 0; t0 < tiles; t0 += kTileSumChunk) {
+    const int64_t n = tiles - t0 < kTileSumChunk ? tiles - t0 : kTileSumChunk;
+    float loaded[kTileSumLoadsPerThread];
 #pragma unroll
-    for (int b = 0; b < kTileSumBatch; ++b) {
-      batch[b] = t0 + b < tiles ? tile_sums[(t0 + b) * hidden + h] : 0.f;
+    for (int i = 0; i < kTileSumLoadsPerThread; ++i) {
+      const int64_t r = loader + static_cast<int64_t>(i) * kTileSumLoaders;
+      loaded[i] = r < n && column ? tile_sums[(t0 + r) * hidden + h] : 0.f;
     }
 #pragma unroll
-    for (int b = 0; b < kTileSumBatch; ++b) {
-      if (t0 + b < tiles) acc += batch[b];
+    for (int i = 0; i < kTileSumLoadsPerThread; ++i) {
+      stage[loader + i * kTileSumLoaders][lane] = loaded[i];
     }
+    __syncthreads();
+    if (loader == 0) {
+#pragma unroll 16
+      for (int64_t r = 0; r < n; ++r) acc += stage[r][lane];
+    }
+    __syncthreads();
   }
-  out[h] = acc;
+  if (loader == 0 && column) out[h] = acc;
 }
 
 bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -411,12 +429,12 @@ gpuError_t rms_norm_bwd_cuda(DType dtype, const void* grad_out, int64_t grad_out
                              rows_aligned16<T>(grad_out, grad_out_row_stride) &&
                              rows_aligned16<T>(x, x_row_stride) &&
                              rows_aligned16<T>(grad_x, grad_x_row_stride) && is_aligned16(weight);
-      const int groups = part.rows_per_block();
+      const int groups = part.bwd_row_groups();
       const size_t smem = groups > 1 ? static_cast<size_t>(groups) * hidden * sizeof(float) : 0;
       return dispatch_shape(part.vecs_per_thread, vector_io, [&](auto shape) {
         using Shape = decltype(shape);
         rms_norm_bwd_kernel<T, Shape::vecs_per_thread, Shape::vector_io>
-            <<<static_cast<unsigned>(tiles), part.block_threads, smem, stream>>>(
+            <<<static_cast<unsigned>(tiles), part.bwd_block_threads, smem, stream>>>(
                 static_cast<const T*>(grad_out), grad_out_row_stride, static_cast<const T*>(x),
                 x_row_stride, static_cast<const T*>(weight), static_cast<T*>(grad_x),
                 grad_x_row_stride, workspace, rows, hidden, eps, part.threads_per_row, tile_rows);
@@ -425,8 +443,9 @@ gpuError_t rms_norm_bwd_cuda(DType dtype, const void* grad_out, int64_t grad_out
     });
     if (err != kGpuSuccess) return err;
   }
-  const int64_t blocks = ceil_div(hidden, kTileSumThreads);
-  rms_norm_dweight_tile_sum_kernel<<<static_cast<unsigned>(blocks), kTileSumThreads, 0, stream>>>(
+  const int64_t blocks = ceil_div(hidden, kTileSumColumns);
+  rms_norm_dweight_tile_sum_kernel<<<static_cast<unsigned>(blocks), kTileSumColumns * kTileSumLoaders,
+                                     0, stream>>>(
       workspace, tiles, hidden, dweight_accum, dweight_out);
   return gpu_last_error();
 }
