@@ -7,6 +7,8 @@
 // (rms_norm_dweight_tile_rows), then adds the tile sums in row order: no atomics anywhere.
 #include "rms_norm_kernels.h"
 
+#include <atomic>
+
 namespace rl_align {
 namespace {
 
@@ -370,17 +372,27 @@ gpuError_t dispatch_dtype(DType dtype, F&& f) {
   return f(float{});  // unreachable: the launcher validates the dtype
 }
 
-// How many blocks of `kernel` the current device runs at once (the persistent grid size),
-// cached per kernel and device.
-template <typename Kernel>
-int64_t resident_blocks(Kernel kernel, int block_threads) {
+// How many blocks of the forward kernel the current device runs at once (the persistent grid
+// size). Cached per kernel instantiation (each has its own register count, hence occupancy; a
+// grid sized for another instantiation leaves blocks waiting behind the persistent ones), per
+// block size and per device.
+template <typename T, int VPT, bool VECTOR_IO>
+int64_t fwd_resident_blocks(int block_threads) {
   constexpr int kMaxDevices = 64;
-  static int64_t cached[kMaxDevices] = {};
+  constexpr int kBlockSizes = 11;  // block_threads is a power of two <= 1024
+  static std::atomic<int64_t> cached[kMaxDevices][kBlockSizes];
   const int device = current_device();
-  if (device < kMaxDevices && cached[device] > 0) return cached[device];
-  const int64_t blocks = static_cast<int64_t>(multiprocessor_count(device)) *
-                         max_active_blocks_per_multiprocessor(kernel, block_threads);
-  if (device < kMaxDevices) cached[device] = blocks;
+  int size_index = 0;
+  while ((1 << size_index) < block_threads) ++size_index;
+  const bool cacheable = device < kMaxDevices && size_index < kBlockSizes;
+  if (cacheable) {
+    const int64_t hit = cached[device][size_index].load(std::memory_order_relaxed);
+    if (hit > 0) return hit;
+  }
+  const int64_t blocks =
+      static_cast<int64_t>(multiprocessor_count(device)) *
+      max_active_blocks_per_multiprocessor(rms_norm_fwd_kernel<T, VPT, VECTOR_IO>, block_threads);
+  if (cacheable) cached[device][size_index].store(blocks, std::memory_order_relaxed);
   return blocks;
 }
 
@@ -399,7 +411,8 @@ gpuError_t rms_norm_fwd_cuda(DType dtype, const void* x, int64_t x_row_stride, c
     return dispatch_shape(part.vecs_per_thread, vector_io, [&](auto shape) {
       using Shape = decltype(shape);
       const auto kernel = rms_norm_fwd_kernel<T, Shape::vecs_per_thread, Shape::vector_io>;
-      const int64_t resident = resident_blocks(kernel, part.block_threads);
+      const int64_t resident =
+          fwd_resident_blocks<T, Shape::vecs_per_thread, Shape::vector_io>(part.block_threads);
       const int64_t blocks = row_groups < resident ? row_groups : resident;
       kernel<<<static_cast<unsigned>(blocks), part.block_threads, 0, stream>>>(
           static_cast<const T*>(x), x_row_stride, static_cast<const T*>(weight),
