@@ -157,7 +157,9 @@ def test_weight_gradient_padding_dependence_is_caught():
                 pairwise = pairwise[0::2] + pairwise[1::2]
             return g * 2, pairwise[0]
 
-    report = testing.check_invariance(ReverseSumGrad.apply, [_rows(37)], {"w": _rows(1, seed=2)[0]})
+    report = testing.check_invariance(
+        lambda x, w: ReverseSumGrad.apply(x, w), [_rows(37)], {"w": _rows(1, seed=2)[0]}
+    )
     assert any(d.tensor == "wgrad[w]" and d.config.startswith("pad[") for d in report.drifts)
 
 
