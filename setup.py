@@ -9,6 +9,7 @@ Three worlds, picked from the installed PyTorch:
     PYTORCH_ROCM_ARCH (default gfx90a;gfx942).
 RL_ENGINE_EXT_NO_NATIVE=1 skips the native build: the package then runs every op on its
 pure-PyTorch reference (and warns once that bitwise invariance is not guaranteed).
+RL_ENGINE_EXT_CPU_ONLY=1 builds only the CPU kernels even where a GPU toolchain is present.
 MAX_JOBS bounds parallel compilation (read by torch's ninja build).
 """
 
@@ -17,8 +18,10 @@ import os
 
 from setuptools import setup
 
-# The stable-ABI floor: the library exports only a module-init stub, no Python API.
-PY_LIMITED_API = "0x03090000"
+# Stable ABI (abi3): the library exports only a module-init stub, no Python API. torch's
+# BuildExtension defines Py_LIMITED_API for py_limited_api extensions (CPython 3.10 and up); the
+# wheel tag below matches it.
+WHEEL_LIMITED_API = "cp310"
 
 
 def torch_libstdcxx_link_args() -> list[str]:
@@ -54,7 +57,7 @@ def native_extensions():
     gpu_sources = sorted(glob.glob(os.path.join(csrc, "cuda", "*.cpp"))) + sorted(
         glob.glob(os.path.join(csrc, "cuda", "*.cu"))
     )
-    cxx_flags = ["-O3", "-std=c++17", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
+    cxx_flags = ["-O3", "-std=c++17"]
     is_rocm = torch.version.hip is not None
     has_gpu_toolchain = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None) or (
         is_rocm and cpp_extension.ROCM_HOME is not None
@@ -93,5 +96,5 @@ ext_modules, cmdclass = native_extensions()
 setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    options={"bdist_wheel": {"py_limited_api": "cp39"}} if ext_modules else {},
+    options={"bdist_wheel": {"py_limited_api": WHEEL_LIMITED_API}} if ext_modules else {},
 )

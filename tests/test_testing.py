@@ -137,8 +137,8 @@ def test_weight_gradient_checks():
 
 def test_weight_gradient_padding_dependence_is_caught():
     class ReverseSumGrad(torch.autograd.Function):
-        """dw sums rows last to first: zero rows appended in front of the sum change nothing,
-        but the rounding of the other rows' partial sums moves with the row count."""
+        """dw is a pairwise tree over the whole batch: the tree's shape, and so the rounding of
+        the real rows' partial sums, moves when padding rows change the row count."""
 
         @staticmethod
         def forward(ctx, x, w):
