@@ -115,7 +115,9 @@ struct Convert<bfloat16_t> {
   }
 #else
   __device__ __forceinline__ static float to_float(bfloat16_t v) { return __bfloat162float(v); }
-  __device__ __forceinline__ static bfloat16_t from_float(float v) { return __float2bfloat16_rn(v); }
+  __device__ __forceinline__ static bfloat16_t from_float(float v) {
+    return __float2bfloat16_rn(v);
+  }
 #endif
 };
 

@@ -20,45 +20,36 @@ namespace {
 // Interleaved partial sums let the compiler vectorise the loop while keeping a fixed order.
 constexpr int64_t kLanes = 16;
 
-template <typename T>
-float sum_squares(const T* x, int64_t hidden) {
+// sum_h term(h) in a fixed order: kLanes interleaved fp32 partial sums (lane j takes h = j mod
+// kLanes, in increasing h), then a fixed pairwise combine of the lanes.
+template <typename Term>
+float lane_sum(int64_t hidden, Term term) {
   float lanes[kLanes] = {};
   int64_t h = 0;
   for (; h + kLanes <= hidden; h += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const float v = static_cast<float>(x[h + j]);
-      lanes[j] += v * v;
-    }
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += term(h + j);
   }
-  for (int64_t j = 0; h + j < hidden; ++j) {
-    const float v = static_cast<float>(x[h + j]);
-    lanes[j] += v * v;
-  }
+  for (int64_t j = 0; h + j < hidden; ++j) lanes[j] += term(h + j);
   for (int64_t width = kLanes / 2; width > 0; width /= 2) {
     for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
   }
   return lanes[0];
 }
 
+template <typename T>
+float sum_squares(const T* x, int64_t hidden) {
+  return lane_sum(hidden, [x](int64_t h) {
+    const float v = static_cast<float>(x[h]);
+    return v * v;
+  });
+}
+
 // sum_h dy[h] * w[h] * x[h], in the same lane order as sum_squares.
 template <typename T>
 float sum_grad_weight_x(const T* dy, const T* w, const T* x, int64_t hidden) {
-  float lanes[kLanes] = {};
-  int64_t h = 0;
-  for (; h + kLanes <= hidden; h += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) {
-      lanes[j] += static_cast<float>(dy[h + j]) * static_cast<float>(w[h + j]) *
-                  static_cast<float>(x[h + j]);
-    }
-  }
-  for (int64_t j = 0; h + j < hidden; ++j) {
-    lanes[j] += static_cast<float>(dy[h + j]) * static_cast<float>(w[h + j]) *
-                static_cast<float>(x[h + j]);
-  }
-  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
-    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-  }
-  return lanes[0];
+  return lane_sum(hidden, [dy, w, x](int64_t h) {
+    return static_cast<float>(dy[h]) * static_cast<float>(w[h]) * static_cast<float>(x[h]);
+  });
 }
 
 inline float inv_rms_of(float sum_sq, int64_t hidden, float eps) {
@@ -98,7 +89,8 @@ void rms_norm_bwd_cpu_kernel(const T* dy, int64_t dy_row_stride, const T* x, int
         T* dxr = dx + r * dx_row_stride;
         const float inv_rms = inv_rms_of(sum_squares(xr, hidden), hidden, eps);
         // dx = inv_rms * (dy * w - xhat * c), c = mean(dy * w * xhat)
-        const float c = sum_grad_weight_x(dyr, w, xr, hidden) * inv_rms / static_cast<float>(hidden);
+        const float c =
+            sum_grad_weight_x(dyr, w, xr, hidden) * inv_rms / static_cast<float>(hidden);
         for (int64_t h = 0; h < hidden; ++h) {
           const float xhat = static_cast<float>(xr[h]) * inv_rms;
           const float g = static_cast<float>(dyr[h]);
@@ -139,7 +131,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, double eps,
     const std::optional<at::Tensor>& dweight_accum) {
   check_rms_norm_backward_args(grad_out, x, weight, eps, dweight_accum);
-  TORCH_CHECK(x.device().is_cpu(), "rl_align::rms_norm_backward (CPU kernel): x must be a CPU tensor");
+  TORCH_CHECK(x.device().is_cpu(),
+              "rl_align::rms_norm_backward (CPU kernel): x must be a CPU tensor");
   at::Tensor dx = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t hidden = x.size(-1);
   at::Tensor dweight = at::empty({hidden}, x.options().dtype(at::kFloat));
