@@ -21,55 +21,39 @@
 
 namespace rl_align {
 
+// The runtime APIs differ only in their prefix; RL_GPU(Name) picks hipName or cudaName.
 #if RL_ALIGN_HIP
-using gpuStream_t = hipStream_t;
-using gpuError_t = hipError_t;
-using half_t = __half;
+#define RL_GPU(name) hip##name
+constexpr hipDeviceAttribute_t kMultiprocessorCountAttr = hipDeviceAttributeMultiprocessorCount;
 using bfloat16_t = hip_bfloat16;
-inline gpuError_t gpu_last_error() { return hipGetLastError(); }
-inline int current_device() {
-  int d = 0;
-  (void)hipGetDevice(&d);
-  return d;
-}
-inline int multiprocessor_count(int device) {
-  int n = 1;
-  (void)hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, device);
-  return n;
-}
-template <typename Kernel>
-int max_active_blocks_per_multiprocessor(Kernel kernel, int block_threads) {
-  int n = 1;
-  (void)hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0);
-  return n > 0 ? n : 1;
-}
-inline const char* gpu_error_string(gpuError_t e) { return hipGetErrorString(e); }
-constexpr gpuError_t kGpuSuccess = hipSuccess;
 #else
-using gpuStream_t = cudaStream_t;
-using gpuError_t = cudaError_t;
-using half_t = __half;
+#define RL_GPU(name) cuda##name
+constexpr cudaDeviceAttr kMultiprocessorCountAttr = cudaDevAttrMultiProcessorCount;
 using bfloat16_t = __nv_bfloat16;
-inline gpuError_t gpu_last_error() { return cudaGetLastError(); }
+#endif
+
+using gpuStream_t = RL_GPU(Stream_t);
+using gpuError_t = RL_GPU(Error_t);
+using half_t = __half;
+constexpr gpuError_t kGpuSuccess = RL_GPU(Success);
+inline gpuError_t gpu_last_error() { return RL_GPU(GetLastError)(); }
+inline const char* gpu_error_string(gpuError_t e) { return RL_GPU(GetErrorString)(e); }
 inline int current_device() {
   int d = 0;
-  (void)cudaGetDevice(&d);
+  (void)RL_GPU(GetDevice)(&d);
   return d;
 }
 inline int multiprocessor_count(int device) {
   int n = 1;
-  (void)cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  (void)RL_GPU(DeviceGetAttribute)(&n, kMultiprocessorCountAttr, device);
   return n;
 }
 template <typename Kernel>
 int max_active_blocks_per_multiprocessor(Kernel kernel, int block_threads) {
   int n = 1;
-  (void)cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block_threads, 0);
+  (void)RL_GPU(OccupancyMaxActiveBlocksPerMultiprocessor)(&n, kernel, block_threads, 0);
   return n > 0 ? n : 1;
 }
-inline const char* gpu_error_string(gpuError_t e) { return cudaGetErrorString(e); }
-constexpr gpuError_t kGpuSuccess = cudaSuccess;
-#endif
 
 // Warp (wavefront) width as a compile-time constant: 64 on AMD CDNA, 32 on NVIDIA. Reduction
 // trees are built from it, so never hard-code 32.
