@@ -46,12 +46,66 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   }
 };
 
+class LinearFunction : public torch::autograd::Function<LinearFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("rl_align::linear", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                 const std::optional<at::Tensor>&)>();
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["bias_dtype"] =
+        bias.has_value() ? c10::IValue(static_cast<int64_t>(bias->scalar_type())) : c10::IValue();
+    return op.call(x, weight, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    static const auto grad_input_op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rl_align::linear_grad_input", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+    static const auto grad_weight_op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rl_align::linear_grad_weight", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&)>();
+    static const auto grad_bias_op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rl_align::linear_grad_bias", "")
+            .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&)>();
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor grad = grad_outputs[0].contiguous();
+    at::Tensor grad_x, grad_weight, grad_bias;
+    if (ctx->needs_input_grad(0)) grad_x = grad_input_op.call(grad, weight);
+    if (ctx->needs_input_grad(1))
+      grad_weight = grad_weight_op.call(grad, x, std::nullopt).to(weight.scalar_type());
+    const c10::IValue& bias_dtype = ctx->saved_data["bias_dtype"];
+    if (ctx->needs_input_grad(2) && !bias_dtype.isNone()) {
+      grad_bias = grad_bias_op.call(grad, std::nullopt)
+                      .to(static_cast<at::ScalarType>(bias_dtype.toInt()));
+    }
+    return {grad_x, grad_weight, grad_bias};
+  }
+};
+
+at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  return LinearFunction::apply(x, weight, bias);
+}
+
 at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return RmsNormFunction::apply(x, weight, eps);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(rl_align, Autograd, m) { m.impl("rms_norm", &rms_norm_autograd); }
+TORCH_LIBRARY_IMPL(rl_align, Autograd, m) {
+  m.impl("rms_norm", &rms_norm_autograd);
+  m.impl("linear", &linear_autograd);
+}
 
 }  // namespace rl_align

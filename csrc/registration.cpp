@@ -29,4 +29,17 @@ TORCH_LIBRARY(rl_align, m) {
   m.def(
       "rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, float eps, "
       "Tensor? dweight_accum=None) -> (Tensor, Tensor)");
+
+  // y = x @ weight.T (+ bias); weight [out, in] (nn.Linear layout), x [..., in]. fp32
+  // accumulation over `in` in a fixed order, one rounding to x.dtype.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // grad_x = grad_out @ weight: [..., out] x [out, in] -> [..., in], in the input dtype.
+  m.def("linear_grad_input(Tensor grad_out, Tensor weight) -> Tensor");
+  // grad_weight (fp32 [out, in]) = dweight_accum (or 0) + grad_out^T @ x, the sum over tokens one
+  // fp32 accumulation chain in token order: micro-batches of multiples of
+  // rl_engine_ext.LINEAR_GRAD_TILE_TOKENS tokens chain bit for bit through dweight_accum.
+  m.def("linear_grad_weight(Tensor grad_out, Tensor x, Tensor? dweight_accum=None) -> Tensor");
+  // grad_bias (fp32 [out]) = dbias_accum (or 0) + the sum of grad_out over tokens, in tiles of
+  // LINEAR_GRAD_TILE_TOKENS tokens added in order.
+  m.def("linear_grad_bias(Tensor grad_out, Tensor? dbias_accum=None) -> Tensor");
 }

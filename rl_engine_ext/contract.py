@@ -66,6 +66,7 @@ _TOLERANCES: dict[tuple[str, str], dict[torch.dtype, Tolerance]] = {
 # Which op class each op's accuracy is judged by.
 OP_CLASS: dict[str, str] = {
     "rms_norm": "reduction",
+    "linear": "reduction",
 }
 
 

@@ -1,0 +1,48 @@
+// The one GEMM problem every linear op reduces to, and the arithmetic every path promises.
+// Torch-free: shared by the CPU kernels, the CUDA/HIP kernels and their torch bindings.
+//
+//   C[i, j] = round( bias[j] + acc_K )    acc_0 = c_accum[i, j] (or 0),
+//                                         acc_{s+1} = acc_s + (chunk s of sum_k A[i, k] B[k, j])
+//
+// The reduction over k always runs from k = 0 upwards in chunks of the path's MMA depth
+// (16 on tensor-core paths, 1 on the FMA paths), each chunk added to one fp32 accumulator in
+// order. Nothing about the chunking depends on m, so row i of C depends only on row i of A
+// (batch invariance), and resuming from c_accum at a chunk boundary continues the same chain
+// (micro-batch chaining of weight gradients).
+//
+// The three linear GEMMs (x [M, K], weight [N, K], dy [M, N]):
+//   forward      y  = x  @ W^T : A = x  (K-major), B = W (K-major), m=M, n=N, k=K
+//   grad input   dx = dy @ W   : A = dy (K-major), B = W (MN-major), m=M, n=K, k=N
+//   grad weight  dW = dy^T @ x : A = dy (MN-major), B = x (MN-major), m=N, n=K, k=M (tokens)
+#pragma once
+
+#include <cstdint>
+
+namespace rl_align {
+
+// Tokens per chaining tile of the weight and bias gradients: micro-batches whose token counts
+// are multiples of this chain bit for bit on every path (a multiple of every path's MMA depth).
+constexpr int64_t kLinearGradTileTokens = 64;
+
+struct GemmProblem {
+  int64_t m = 0, n = 0, k = 0;
+  // A (m x k). K-major: A[i, kk] = a[i * lda + kk]. MN-major: A[i, kk] = a[kk * lda + i].
+  const void* a = nullptr;
+  int64_t lda = 0;
+  bool a_mn_major = false;
+  // B (k x n). K-major: B[kk, j] = b[j * ldb + kk] (nn.Linear weight layout).
+  //            MN-major: B[kk, j] = b[kk * ldb + j].
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  bool b_mn_major = false;
+  // C (m x n), row-major: C[i, j] = c[i * ldc + j]; in the input dtype, or fp32 if c_fp32.
+  void* c = nullptr;
+  int64_t ldc = 0;
+  bool c_fp32 = false;
+  // Optional [n] bias in the input dtype, added in fp32 after the reduction, before rounding.
+  const void* bias = nullptr;
+  // Optional fp32 (m x n) start of the accumulator (row stride ldc); only with c_fp32. May alias c.
+  const float* c_accum = nullptr;
+};
+
+}  // namespace rl_align

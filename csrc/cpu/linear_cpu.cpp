@@ -1,0 +1,30 @@
+// Torch binding of the linear ops' CPU kernels (linear_gemm_cpu.cpp).
+#include <torch/library.h>
+
+#include "../linear_host.h"
+#include "linear_gemm_cpu.h"
+
+namespace rl_align {
+namespace {
+
+struct CpuBackend {
+  static bool needs_aligned_operands(const char*, at::ScalarType, const at::Tensor&) { return false; }
+  static void run(const char*, at::ScalarType dtype, const GemmProblem& p, const at::Tensor&) {
+    linear_gemm_cpu(dtype, p);
+  }
+  static void bias_grad(at::ScalarType dtype, const at::Tensor& dy, const float* accum, float* dbias) {
+    linear_bias_grad_cpu(dtype, dy.const_data_ptr(), row_stride(dy), dy.size(0), dy.size(1), accum,
+                         dbias);
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
+  m.impl("linear", &linear_impl<CpuBackend>);
+  m.impl("linear_grad_input", &linear_grad_input_impl<CpuBackend>);
+  m.impl("linear_grad_weight", &linear_grad_weight_impl<CpuBackend>);
+  m.impl("linear_grad_bias", &linear_grad_bias_impl<CpuBackend>);
+}
+
+}  // namespace rl_align

@@ -1,0 +1,40 @@
+// Host entry points of the linear (GEMM) GPU kernels. Torch-free: the problem is a
+// GemmProblem (csrc/common/gemm_problem.h); the torch binding is linear_launcher.cpp.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/gemm_problem.h"
+#include "../common/portability.h"
+
+namespace rl_align {
+
+// Kernel families. Which one runs is chosen from (dtype, device arch) only, never from m: each
+// family fixes its own reduction chunking, so one family must serve every batch size.
+enum class GemmPath : int {
+  kSm90 = 0,  // wgmma + TMA (sm_90a build, compute capability 9.0), bf16/fp16
+  kSm80 = 1,  // mma.sync m16n8k16 + ldmatrix + cp.async (any CUDA GPU >= sm_80), bf16/fp16
+  kSimt = 2,  // FMA tiles, sequential k: fp32 everywhere, every dtype on HIP and older GPUs
+};
+
+// The tensor-core paths read A and B with 16-byte copies: both pointers 16-byte aligned and
+// lda, ldb multiples of 16 bytes. Callers pad operands that are not (see linear_launcher.cpp).
+constexpr int64_t kGemmOperandAlignBytes = 16;
+
+// Whether `path` was compiled into this build and runs on `device` for `dtype`.
+bool gemm_path_available(GemmPath path, DType dtype, int device);
+// Whether this build holds sm_90a code for the wgmma kernels and `device` can run it.
+bool gemm_sm90_compiled_for(int device);
+
+gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream);
+gpuError_t linear_gemm_sm80(DType dtype, const GemmProblem& p, gpuStream_t stream);
+gpuError_t linear_gemm_simt(DType dtype, const GemmProblem& p, gpuStream_t stream);
+
+// dbias[j] = accum[j] (or 0) + sum_i dy[i, j], over tiles of kLinearGradTileTokens rows: each
+// tile summed sequentially in fp32, tiles added in row order. dy is (m x n), row stride ld.
+int64_t linear_bias_grad_workspace_elements(int64_t m, int64_t n);
+gpuError_t linear_bias_grad_cuda(DType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
+                                 const float* accum, float* dbias, float* workspace,
+                                 gpuStream_t stream);
+
+}  // namespace rl_align
