@@ -6,6 +6,7 @@
 // invariance) are the same whichever way the gradient is reached. The fake (meta) kernels stay in
 // Python (rl_engine_ext/ops/*.py), which is all torch.compile needs to trace through these.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -83,8 +84,9 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     if (ctx->needs_input_grad(0)) grad_x = grad_input_op.call(grad, weight);
     if (ctx->needs_input_grad(1))
       grad_weight = grad_weight_op.call(grad, x, std::nullopt).to(weight.scalar_type());
+    // needs_input_grad counts only the tensor inputs: index 2 exists only with a bias.
     const c10::IValue& bias_dtype = ctx->saved_data["bias_dtype"];
-    if (ctx->needs_input_grad(2) && !bias_dtype.isNone()) {
+    if (!bias_dtype.isNone() && ctx->needs_input_grad(2)) {
       grad_bias = grad_bias_op.call(grad, std::nullopt)
                       .to(static_cast<at::ScalarType>(bias_dtype.toInt()));
     }
@@ -106,6 +108,12 @@ at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, doub
 TORCH_LIBRARY_IMPL(rl_align, Autograd, m) {
   m.impl("rms_norm", &rms_norm_autograd);
   m.impl("linear", &linear_autograd);
+  // The backward ops have no derivative of their own: differentiating through them raises
+  // instead of silently treating them as constants.
+  for (const char* op : {"rms_norm_backward", "linear_grad_input", "linear_grad_weight",
+                         "linear_grad_bias"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
 }
 
 }  // namespace rl_align

@@ -131,7 +131,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t m = k == 0 ? x.numel() : x.numel() / k;
+  const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
   if (m == 0 || n == 0) return y;
   if (k == 0) {  // an empty sum: the bias alone
     if (bias.has_value()) y.copy_(bias->expand_as(y)); else y.zero_();

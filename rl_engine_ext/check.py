@@ -17,6 +17,7 @@ import torch
 
 import rl_engine_ext
 from rl_engine_ext import contract, testing
+from rl_engine_ext.ops import linear as linear_mod
 from rl_engine_ext.ops import rms_norm as rms_mod
 
 
@@ -82,9 +83,49 @@ def check_rms_norm(device: str, dtype: torch.dtype, rows: int, hidden: int, eps:
     )
 
 
-# op name -> (checker, shapes). Later ops add their rows here.
-CHECKS: dict[str, tuple[Callable[..., CaseResult], list[tuple[int, int]]]] = {
+def check_linear(device: str, dtype: torch.dtype, rows: int, out_features: int, in_features: int) -> CaseResult:
+    x = _randn((rows, in_features), dtype, device, seed=rows)
+    weight = _randn((out_features, in_features), dtype, device, seed=in_features) * in_features**-0.5
+    bias = _randn((out_features,), dtype, device, seed=out_features)
+
+    def chain(row_inputs, cotangents, accum):
+        dy, x_rows = cotangents[0], row_inputs[0]
+        return {
+            "weight": rl_engine_ext.linear_grad_weight(dy, x_rows, None if accum is None else accum["weight"]),
+            "bias": rl_engine_ext.linear_grad_bias(dy, None if accum is None else accum["bias"]),
+        }
+
+    report = testing.check_invariance(
+        lambda x, weight, bias: rl_engine_ext.linear(x, weight, bias),
+        [x],
+        {"weight": weight, "bias": bias},
+        weight_grad_tile=rl_engine_ext.LINEAR_GRAD_TILE_TOKENS,
+        weight_grad_chain=chain,
+    )
+    forward_drifts = [d for d in report.drifts if d.tensor.startswith("out")]
+    backward_drifts = [d for d in report.drifts if not d.tensor.startswith("out")]
+    got = rl_engine_ext.linear(x, weight, bias).float()
+    truth = linear_mod.reference_forward_fp32(x, weight, bias)
+    tol = contract.tolerance("linear", dtype, "forward")
+    return CaseResult(
+        op="linear",
+        device=device,
+        dtype=dtype,
+        shape=(rows, out_features, in_features),
+        implementation="native" if rl_engine_ext.has_native_kernel("linear", device) else "reference",
+        forward_invariant=not forward_drifts,
+        backward_invariant=not backward_drifts,
+        accuracy_ok=bool(torch.allclose(got, truth, atol=tol.atol, rtol=tol.rtol)),
+        max_invariance_diff=max((d.max_abs for d in report.drifts), default=0.0),
+        max_accuracy_diff=(got - truth).abs().max().item() if got.numel() else 0.0,
+        detail="" if report.ok else str(report.drifts[0]),
+    )
+
+
+# op name -> (checker, shapes); each shape is the checker's trailing arguments.
+CHECKS: dict[str, tuple[Callable[..., CaseResult], list[tuple[int, ...]]]] = {
     "rms_norm": (check_rms_norm, [(257, 4096), (1029, 128)]),
+    "linear": (check_linear, [(257, 512, 1024), (130, 33, 100)]),
 }
 
 
@@ -102,19 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, devices: {', '.join(devices)}")
     if "cuda" in devices:
         print(f"GPU: {torch.cuda.get_device_name()}")
-    header = f"{'op':<10} {'device':<6} {'dtype':<9} {'shape':<13} {'impl':<9} {'fwd-inv':<8} {'bwd-inv':<8} {'accuracy':<9} {'max inv diff':>12} {'max err':>9}"
+    header = f"{'op':<10} {'device':<6} {'dtype':<9} {'shape':<15} {'impl':<9} {'fwd-inv':<8} {'bwd-inv':<8} {'accuracy':<9} {'max inv diff':>12} {'max err':>9}"
     print(header)
     print("-" * len(header))
     results: list[CaseResult] = []
     for op, (checker, shapes) in CHECKS.items():
         for device in devices:
             for dtype in contract.SUPPORTED_DTYPES:
-                for rows, hidden in shapes:
-                    r = checker(device, dtype, rows, hidden)
+                for shape in shapes:
+                    r = checker(device, dtype, *shape)
                     results.append(r)
                     print(
                         f"{r.op:<10} {r.device:<6} {str(r.dtype).removeprefix('torch.'):<9} "
-                        f"{'x'.join(map(str, r.shape)):<13} {r.implementation:<9} {_mark(r.forward_invariant):<8} "
+                        f"{'x'.join(map(str, r.shape)):<15} {r.implementation:<9} {_mark(r.forward_invariant):<8} "
                         f"{_mark(r.backward_invariant):<8} {_mark(r.accuracy_ok):<9} "
                         f"{r.max_invariance_diff:>12.3g} {r.max_accuracy_diff:>9.3g}"
                     )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: build with nvcc, run the whole test suite (CUDA parametrization
 # included), the status matrix and the benchmarks; logs and results land in $OUT.
-#   usage: bash scripts/gpu_session.sh [pytest args...]
+#   usage: [BENCHES="rms_norm linear"] bash scripts/gpu_session.sh [pytest args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rl_out}
@@ -19,7 +19,7 @@ echo "build: $(( $(date +%s) - start )) s"
 
 python3 -m pytest -q -p no:cacheprovider -o junit_family=xunit2 --junitxml="$OUT/pytest.xml" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
 python3 -m rl_engine_ext.check 2>&1 | tee "$OUT/check.log" | tail -30
-if [ -f benchmarks/bench_rms_norm.py ]; then
-  python3 benchmarks/bench_rms_norm.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
-fi
+for bench in ${BENCHES:-rms_norm linear}; do
+  python3 "benchmarks/bench_${bench}.py" --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench_${bench}.log" | tail -60
+done
 echo "total: $(( $(date +%s) - start )) s"

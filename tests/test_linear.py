@@ -373,17 +373,25 @@ def _opcheck_samples(device: str):
         x = randn(3, 5, 40, dtype=dtype, device=device, seed=1)
         dy = randn(3, 5, 24, dtype=dtype, device=device, seed=2)
         yield torch.ops.rl_align.linear.default, (x, w, b)
-        yield torch.ops.rl_align.linear.default, (x.requires_grad_(), w.requires_grad_(), None)
+        yield torch.ops.rl_align.linear.default, (x.clone().requires_grad_(), w.clone().requires_grad_(), None)
         yield torch.ops.rl_align.linear.default, (torch.empty(0, 40, dtype=dtype, device=device), w, b)
         yield torch.ops.rl_align.linear_grad_input.default, (dy, w)
-        yield torch.ops.rl_align.linear_grad_weight.default, (dy, x.detach(), None)
-        yield torch.ops.rl_align.linear_grad_weight.default, (dy, x.detach(), torch.ones(24, 40, device=device))
+        yield torch.ops.rl_align.linear_grad_weight.default, (dy, x, None)
+        yield torch.ops.rl_align.linear_grad_weight.default, (dy, x, torch.ones(24, 40, device=device))
         yield torch.ops.rl_align.linear_grad_bias.default, (dy, torch.ones(24, device=device))
 
 
 def test_opcheck(device):
     for op, args in _opcheck_samples(device):
         torch.library.opcheck(op, args)
+
+
+def test_backward_ops_are_not_differentiable(device):
+    """Differentiating through a backward op raises rather than silently returning zeros."""
+    w = randn(6, 5, dtype=torch.float32, device=device, seed=1).requires_grad_()
+    dy = randn(3, 6, dtype=torch.float32, device=device, seed=2)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        rl_engine_ext.linear_grad_input(dy, w).sum().backward()
 
 
 def test_torch_compile_fullgraph_matches_eager(device):
