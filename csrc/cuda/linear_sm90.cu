@@ -17,6 +17,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -181,35 +182,60 @@ __device__ __forceinline__ void tile_coords(int tile, int tiles_m, int tiles_n, 
   nt = r / rows;
 }
 
-template <typename T, bool C_FP32>
-__device__ __forceinline__ void store_pair(const Sm90Epilogue& ep, int64_t m, int64_t n, int64_t row,
-                                           int64_t col, float v0, float v1) {
+// fp32 output (weight gradients): each lane writes its column pair, 8 bytes.
+__device__ __forceinline__ void store_pair_fp32(const Sm90Epilogue& ep, int64_t m, int64_t n,
+                                                int64_t row, int64_t col, float v0, float v1) {
   if (row >= m || col >= n) return;
+  const int64_t off = row * ep.ldc + col;
+  float* c = static_cast<float*>(ep.c) + off;
+  if (col + 1 < n && (off & 1) == 0) {
+    *reinterpret_cast<float2*>(c) = make_float2(v0, v1);
+  } else {
+    c[0] = v0;
+    if (col + 1 < n) c[1] = v1;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
+  struct alignas(4) Pair { T x, y; } pair{Convert<T>::from_float(v0), Convert<T>::from_float(v1)};
+  uint32_t bits;
+  memcpy(&bits, &pair, sizeof(bits));
+  return bits;
+}
+
+// 16-bit output: one row's two adjacent 8-column blocks (block j at col_j, block j+1 at col_j + 8)
+// of a lane quad. The bias is added in fp32 and each value rounded once; then shuffles hand each
+// lane 4 consecutive columns, so a quad writes 32 contiguous bytes (whole sectors) in one store.
+template <typename T>
+__device__ __forceinline__ void store_two_blocks(const Sm90Epilogue& ep, int64_t m, int64_t n,
+                                                 int64_t row, int64_t col_j, int lane, float a0,
+                                                 float a1, float b0, float b1) {
+  const int q = lane % 4;
   if (ep.bias != nullptr) {
     const T* bias = static_cast<const T*>(ep.bias);
-    v0 += Convert<T>::to_float(bias[col]);
-    if (col + 1 < n) v1 += Convert<T>::to_float(bias[col + 1]);
+    const int64_t ca = col_j + 2 * q, cb = ca + 8;
+    if (ca < n) a0 += Convert<T>::to_float(bias[ca]);
+    if (ca + 1 < n) a1 += Convert<T>::to_float(bias[ca + 1]);
+    if (cb < n) b0 += Convert<T>::to_float(bias[cb]);
+    if (cb + 1 < n) b1 += Convert<T>::to_float(bias[cb + 1]);
   }
+  const uint32_t pa = pack_pair<T>(a0, a1), pb = pack_pair<T>(b0, b1);
+  const int src = (lane & ~3) + (q & 1) * 2;
+  const uint32_t a_lo = __shfl_sync(0xffffffffu, pa, src), a_hi = __shfl_sync(0xffffffffu, pa, src + 1);
+  const uint32_t b_lo = __shfl_sync(0xffffffffu, pb, src), b_hi = __shfl_sync(0xffffffffu, pb, src + 1);
+  const uint32_t lo = q < 2 ? a_lo : b_lo, hi = q < 2 ? a_hi : b_hi;
+  const int64_t col = col_j + (q >= 2 ? 8 : 0) + (q & 1) * 4;
+  if (row >= m || col >= n) return;
   const int64_t off = row * ep.ldc + col;
-  if constexpr (C_FP32) {
-    float* c = static_cast<float*>(ep.c) + off;
-    if (col + 1 < n && (off & 1) == 0) {
-      *reinterpret_cast<float2*>(c) = make_float2(v0, v1);
-    } else {
-      c[0] = v0;
-      if (col + 1 < n) c[1] = v1;
-    }
+  T* c = static_cast<T*>(ep.c) + off;
+  if (col + 3 < n && (off & 3) == 0) {
+    *reinterpret_cast<uint2*>(c) = make_uint2(lo, hi);
   } else {
-    T* c = static_cast<T*>(ep.c) + off;
-    const T t0 = Convert<T>::from_float(v0);
-    const T t1 = Convert<T>::from_float(v1);
-    if (col + 1 < n && (off & 1) == 0) {
-      struct alignas(4) Pair { T x, y; };
-      *reinterpret_cast<Pair*>(c) = Pair{t0, t1};
-    } else {
-      c[0] = t0;
-      if (col + 1 < n) c[1] = t1;
-    }
+    T vals[4];
+    memcpy(vals, &lo, 4);
+    memcpy(vals + 2, &hi, 4);
+    for (int e = 0; e < 4 && col + e < n; ++e) c[e] = vals[e];
   }
 }
 
@@ -325,9 +351,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       // first chunk runs with scale-d = 0. Registers written by ordinary code serialize the wgmma
       // pipeline (ptxas C7515), so only the chained variant pays for it.
       if constexpr (HAS_ACCUM) {
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
-  #pragma unroll
+#pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int64_t row = row0 + 8 * h, col = col0 + 8 * j;
             const float* src = ep.c_accum + row * ep.ldc + col;
@@ -344,7 +370,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         const uint32_t b_base = smem_addr(b_stage(stage));
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
         // The k16 chunks go in increasing k: this order is the invariance contract.
-  #pragma unroll
+#pragma unroll
         for (int s = 0; s < kBlockK / kMmaK; ++s) {
           Wgmma<BN, T>::template mma<A_MN ? 1 : 0, B_MN ? 1 : 0>(
               acc, smem_desc(chunk_addr<A_MN>(a_base, s), kMnChunkBytes, kSwizzleAtomBytes),
@@ -364,12 +390,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
       fence_accumulators(acc);
       if (held_stage >= 0 && tid == 0) release(held_stage);
-  #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-  #pragma unroll
+#pragma unroll
+      for (int j = 0; j < BN / 8; j += 2) {
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
-          store_pair<T, C_FP32>(ep, m, n, row0 + 8 * h, col0 + 8 * j, acc[4 * j + 2 * h],
-                                acc[4 * j + 2 * h + 1]);
+          const int64_t row = row0 + 8 * h;
+          const int a = 4 * j + 2 * h, b = a + 4;  // block j's pair, block j + 1's pair
+          if constexpr (C_FP32) {
+            store_pair_fp32(ep, m, n, row, col0 + 8 * j, acc[a], acc[a + 1]);
+            store_pair_fp32(ep, m, n, row, col0 + 8 * j + 8, acc[b], acc[b + 1]);
+          } else {
+            store_two_blocks<T>(ep, m, n, row, col0 - 2 * (lane % 4) + 8 * j, lane, acc[a],
+                                acc[a + 1], acc[b], acc[b + 1]);
+          }
         }
       }
     }
