@@ -31,3 +31,26 @@ def test_bench_rms_norm_quick_cpu(tmp_path):
                 assert all(math.isfinite(float(r["median"])) and float(r["median"]) > 0 for r in sel)
     assert any(r["metric"] == "copy_bandwidth_TBps" for r in rows)
     assert any(r["metric"] == "ratio_vs_torch" for r in rows)
+
+
+def test_bench_linear_quick_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_linear.py"), "--device", "cpu", "--quick",
+         "--out", str(tmp_path), "--tag", "smoke"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "linear_smoke.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["op", "provider", "shape", "dtype", "mode", "metric", "median", "p20", "p80",
+                                     "unit", "gpu", "torch", "cuda"]
+        rows = list(reader)
+    shapes = {f"M{m}_N{n}_K{k}" for m in (1, 64) for n, k in ((96, 64), (160, 128))}
+    for mode in ("fwd", "dgrad", "wgrad"):
+        for shape in shapes:
+            for provider in ("rl_engine_ext", "cublas"):
+                sel = [r for r in rows if (r["provider"], r["mode"], r["shape"], r["metric"]) == (provider, mode, shape, "time_us")]
+                assert len(sel) == 1 and math.isfinite(float(sel[0]["median"])) and float(sel[0]["median"]) > 0
+            assert any(r["metric"] == "ratio_vs_cublas" and r["mode"] == mode and r["shape"] == shape for r in rows)
+            assert any(r["metric"] == "frac_of_copy" and r["mode"] == mode and r["shape"] == shape for r in rows)
+    assert "fwd M=1: min ratio" in done.stdout

@@ -1,0 +1,201 @@
+"""linear benchmark: rl_engine_ext vs cuBLAS (torch.matmul, same dtype) vs the limits, one run.
+
+    python benchmarks/bench_linear.py [--device cuda|cpu] [--out benchmarks/results] [--quick]
+                                      [--shapes qkv,o] [--ms 1,4096] [--modes fwd,dgrad,wgrad]
+
+Modes, for x [M, K], weight [N, K], dy [M, N]:
+  fwd    y  = x @ W^T      ours: rl_engine_ext.linear             cuBLAS: x @ w.t()
+  dgrad  dx = dy @ W       ours: rl_engine_ext.linear_grad_input  cuBLAS: dy @ w
+  wgrad  dW = dy^T @ x     ours: rl_engine_ext.linear_grad_weight cuBLAS: dy.t() @ x
+         (ours returns fp32 [N, K] — the chainable accumulator — cuBLAS returns the input dtype)
+Shapes are the Qwen3-8B projections (N x K). Rows: shape "M<m>_N<n>_K<k>".
+Metrics: time_us (triton do_bench median, L2 flushed, with p20/p80), TFLOPs = 2MNK / time,
+ratio_vs_cublas = t_cublas / t_ours (>1: we are faster), and for M <= 64 the weight-streaming
+rate (N*K*elem bytes of weight read per second) as bandwidth_TBps and frac_of_copy, against the
+measured device copy rate (bytes read + written per second). The weight read alone is compared
+with it, so 1.0 means the weight streams as fast as a large copy moves data.
+Targets (H100, bf16): fwd M=4096 geomean >= 0.90 and min >= 0.85; fwd M in {1,16,64} >= 0.85 on
+every shape and M=1 weight streaming >= 0.70 of copy; dgrad and wgrad M=4096 geomean >= 0.85.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import rl_engine_ext  # noqa: E402
+from benchmarks.common import CsvWriter, bench, device_info, measure_copy_bandwidth, measure_matmul_peak  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+          "lm_head": (151936, 4096)}
+QUICK_SHAPES = {"tiny_a": (96, 64), "tiny_b": (160, 128)}
+MS = [1, 16, 64, 512, 4096, 16384]
+MODES = ["fwd", "dgrad", "wgrad"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shape_name(m: int, n: int, k: int) -> str:
+    return f"M{m}_N{n}_K{k}"
+
+
+def providers(mode: str, x, w, dy):
+    if mode == "fwd":
+        return {"rl_engine_ext": lambda: rl_engine_ext.linear(x, w), "cublas": lambda: x @ w.t()}
+    if mode == "dgrad":
+        return {"rl_engine_ext": lambda: rl_engine_ext.linear_grad_input(dy, w), "cublas": lambda: dy @ w}
+    return {"rl_engine_ext": lambda: rl_engine_ext.linear_grad_weight(dy, x), "cublas": lambda: dy.t() @ x}
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def plot(rows: list[dict], path: str, title: str) -> bool:
+    """One panel per mode: ratio vs cuBLAS per shape, one bar per M; targets dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return False
+    rows = [r for r in rows if r["metric"] == "ratio_vs_cublas"]
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    if not modes:
+        return False
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        sel = [r for r in rows if r["mode"] == mode]
+        nk = list(dict.fromkeys(re.sub(r"^M\d+_", "", r["shape"]) for r in sel))
+        ms = sorted({int(re.match(r"M(\d+)_", r["shape"]).group(1)) for r in sel})
+        width = 0.8 / max(1, len(ms))
+        for i, m in enumerate(ms):
+            vals = [next((float(r["median"]) for r in sel if r["shape"] == f"M{m}_{s}"), 0.0) for s in nk]
+            ax.bar([j + i * width for j in range(len(nk))], vals, width, label=f"M={m}", color=f"C{i}")
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.axhline(0.9 if mode == "fwd" else 0.85, color="red", linewidth=1, linestyle="--", label="target")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(nk))])
+        ax.set_xticklabels(nk, rotation=30, ha="right", fontsize=7)
+        ax.set_title(mode)
+        ax.set_ylabel("cuBLAS time / ours (higher is better)")
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
+    parser.add_argument("--tag", default=None, help="file-name tag (default: the device name)")
+    parser.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
+    parser.add_argument("--ms", default=None, help="comma list of M values")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--dtypes", default="bf16")
+    args = parser.parse_args()
+    device = args.device
+    table = QUICK_SHAPES if args.quick else SHAPES
+    shapes = {k: table[k] for k in args.shapes.split(",")} if args.shapes else table
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 64] if args.quick else MS)
+    modes = args.modes.split(",")
+    rep_ms = 10 if args.quick else 100
+
+    info = device_info(device)
+    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
+    out = CsvWriter(os.path.join(args.out, f"linear_{tag}.csv"), info)
+    copy_bw = measure_copy_bandwidth(device)
+    peak = measure_matmul_peak(device)
+    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
+            copy_bw / 1e12, unit="TB/s")
+    out.add("matmul", "cublas", "8192x8192x8192", "bf16", "peak", "TFLOPs", peak / 1e12, unit="TFLOP/s")
+    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
+          f"| copy {copy_bw / 1e12:.3f} TB/s | cuBLAS bf16 8192^3 {peak / 1e12:.0f} TFLOP/s")
+
+    summary = []  # (mode, dtype, name, m, n, k, ours_us, cublas_us, ratio, frac_copy)
+    gen = torch.Generator().manual_seed(0)
+    for dtype_name in args.dtypes.split(","):
+        dtype = DTYPES[dtype_name]
+        for name, (n, k) in shapes.items():
+            w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(device=device, dtype=dtype)
+            for m in ms:
+                try:
+                    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+                    dy = torch.randn(m, n, generator=gen).to(device=device, dtype=dtype)
+                    for mode in modes:
+                        shape = shape_name(m, n, k)
+                        flops = 2 * m * n * k
+                        times = {}
+                        for provider, fn in providers(mode, x, w, dy).items():
+                            t = bench(fn, device=device, rep_ms=rep_ms)
+                            times[provider] = t.median_us
+                            out.add("linear", provider, shape, dtype_name, mode, "time_us", t.median_us, t.p20_us,
+                                    t.p80_us, "us")
+                            out.add("linear", provider, shape, dtype_name, mode, "TFLOPs",
+                                    flops / (t.median_us * 1e-6) / 1e12, unit="TFLOP/s")
+                            if m <= 64:
+                                bw = n * k * w.element_size() / (t.median_us * 1e-6)
+                                out.add("linear", provider, shape, dtype_name, mode, "bandwidth_TBps", bw / 1e12,
+                                        unit="TB/s")
+                                out.add("linear", provider, shape, dtype_name, mode, "frac_of_copy", bw / copy_bw)
+                        ratio = times["cublas"] / times["rl_engine_ext"]
+                        out.add("linear", "rl_engine_ext", shape, dtype_name, mode, "ratio_vs_cublas", ratio)
+                        frac = n * k * w.element_size() / (times["rl_engine_ext"] * 1e-6) / copy_bw
+                        summary.append((mode, dtype_name, name, m, n, k, times["rl_engine_ext"], times["cublas"],
+                                        ratio, frac if m <= 64 else float("nan")))
+                        print(f"{mode:>5} {dtype_name} {name:>8} M={m:<6} ours {times['rl_engine_ext']:10.1f} us  "
+                              f"cuBLAS {times['cublas']:10.1f} us  ratio {ratio:.3f}"
+                              + (f"  weight stream {frac:.2f} of copy" if m <= 64 else ""), flush=True)
+                    del x, dy
+                except torch.cuda.OutOfMemoryError:
+                    print(f"# skipped {name} M={m}: out of memory")
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            del w
+    out.write()
+    png = out.path.replace(".csv", ".png")
+    plot(out.rows, png, f"linear on {info['gpu']} (torch {info['torch']}, CUDA {info['cuda']}): cuBLAS time / ours")
+    print(f"# wrote {out.path} and {png}")
+
+    def sel(mode, m, dtype_name="bf16"):
+        return [s for s in summary if s[0] == mode and s[3] == m and s[1] == dtype_name]
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "MISS"
+
+    print("# targets (bf16, ratio = cuBLAS time / ours)")
+    fwd4096 = [s[8] for s in sel("fwd", 4096)]
+    if fwd4096:
+        g, lo = geomean(fwd4096), min(fwd4096)
+        print(f"fwd M=4096: geomean {g:.3f} (>= 0.90 {verdict(g >= 0.90)}), min {lo:.3f} (>= 0.85 {verdict(lo >= 0.85)})")
+    for m in (1, 16, 64):
+        rs = sel("fwd", m)
+        if rs:
+            lo = min(s[8] for s in rs)
+            line = f"fwd M={m}: min ratio {lo:.3f} (>= 0.85 {verdict(lo >= 0.85)})"
+            if m == 1:
+                fr = min(s[9] for s in rs)
+                line += f"; min weight stream {fr:.2f} of copy (>= 0.70 {verdict(fr >= 0.70)}) " + ", ".join(
+                    f"{s[2]} {s[9]:.2f}" for s in rs)
+            print(line)
+    for mode in ("dgrad", "wgrad"):
+        rs = [s[8] for s in sel(mode, 4096)]
+        if rs:
+            g = geomean(rs)
+            print(f"{mode} M=4096: geomean {g:.3f} (>= 0.85 {verdict(g >= 0.85)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
