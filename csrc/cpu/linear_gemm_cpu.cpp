@@ -32,14 +32,16 @@ namespace {
 // the x86-64 baseline, with room left for the B row and the broadcast A values).
 constexpr int64_t kMicroRows = 4;
 constexpr int64_t kMicroCols = 8;
-// A tile of C: its accumulators stay in a thread-local buffer across k chunks.
+// A tile of C: its accumulators stay in a thread-local buffer across k chunks. A is packed once
+// per column tile and B once per row tile, so wide tiles keep the (fp16: software) conversions
+// small next to the kTileRows x kTileCols x k multiply-adds.
 constexpr int64_t kTileRows = 16 * kMicroRows;
-constexpr int64_t kTileCols = 16 * kMicroCols;
-// k chunk: one packed B panel (kDepth x kMicroCols fp32) stays in L1 while the tile's row groups
-// pass over it.
+constexpr int64_t kTileCols = 32 * kMicroCols;
+// k chunk: one packed B panel (kDepth x kMicroCols fp32, 8 KB) stays in L1 while the tile's row
+// groups pass over it.
 constexpr int64_t kDepth = 256;
 
-// Threads take whole tiles; a tile is a few MFLOP at most, so one per task keeps them balanced.
+// One tile per task: each is already kTileRows x kTileCols x k multiply-adds.
 constexpr int64_t kTileGrain = 1;
 
 // Bias gradient: columns per task, summed as one vectorisable row of partials.
