@@ -1,0 +1,93 @@
+// The one attention problem every attention op reduces to (padded batch, packed varlen, KV
+// cache), and the arithmetic every path promises. Torch-free: shared by the CPU kernels, the
+// CUDA/HIP kernels and their torch bindings.
+//
+// A problem is a list of sequences. Sequence s holds kv_len[s] keys/values at positions
+// 0 .. kv_len[s]-1 (position 0 = the sequence's own first token, whatever padding or packing
+// surrounds it) and q_len[s] <= kv_len[s] queries, the last q_len[s] positions:
+//   query i (0 <= i < q_len) sits at position p = kv_len - q_len + i
+//   causal:     it attends to keys 0 .. p
+//   not causal: it attends to keys 0 .. kv_len-1
+// A training forward has q_len == kv_len; a KV-cache step (decode: q_len = 1, chunked prefill:
+// q_len > 1) has q_len < kv_len. Query head h reads key/value head h / (heads_q / heads_kv) (GQA).
+//
+// Arithmetic (every path; the dot products' inner order and the exp form (exp, or exp2 of
+// log2(e)-prescaled values) are the path's own, fixed for every shape):
+//   s_j = dot(q_p, k_j)                                      (fp32 accumulation)
+//   keys are taken in blocks of kAttentionKvBlock positions, block b = [64 b, 64 b + 64), in
+//   increasing b; a block holding no allowed key is skipped or contributes exact zeros.
+//   Running state per (query, head), fp32: max m (starts -inf), sum l (starts 0), acc[D] (0).
+//   Per block: m' = max(m, max_j scale * s_j); alpha = exp(m - m'); p_j = exp(scale * s_j - m')
+//   (masked keys: p_j = 0); l = l * alpha + sum_j p_j; acc = acc * alpha + sum_j p_j v_j.
+//   out = acc / l (rounded once to the input dtype); lse = m + log(l) (fp32).
+// Nothing in this chain depends on other sequences, other queries, how many queries share a
+// launch, or where the sequence sits in memory, so a token's out/lse are the same bits in a
+// batch of 1 or N, padded left or right, packed next to anything, in a chunked prefill at any
+// chunk size, or in a KV-cache decode step: the batch invariance contract (DESIGN.md section 2).
+// Rows with no allowed key (q_len = 0 sequences have none) are never written by the kernels.
+//
+// Backward (q_len == kv_len, no KV cache), per sequence and head, with dO the output gradient:
+//   delta_i = dot(dO_i, O_i) in fp32 (O as stored, in the input dtype)
+//   P_ij recomputed as exp(scale * s_ij - lse_i); dP_ij = dot(dO_i, v_j); dS_ij = P_ij (dP_ij - delta_i)
+//   dQ_i = scale * sum_j dS_ij k_j        over key blocks in increasing order
+//   dK_j = scale * sum_i dS_ij q_i        over the group's query heads in increasing order, and
+//   dV_j = sum_i P_ij dO_i                for each head over query blocks in increasing order
+// Each gradient element is one fp32 accumulator owned by one thread, rounded once: no atomics,
+// no split whose order could change with the batch.
+#pragma once
+
+#include <cstdint>
+
+namespace rl_align {
+
+// Key/value positions per block of the online softmax (every path): blocks start at multiples
+// of it in the sequence's own positions.
+constexpr int64_t kAttentionKvBlock = 64;
+
+// Per-sequence descriptor: kAttentionSeqFields int64 values per sequence, in this order.
+enum AttentionSeqField : int {
+  kSeqQBase = 0,    // element offset of the sequence's query 0, head 0, dim 0 in q (and out, dout, dq)
+  kSeqKvBase = 1,   // element offset of its key 0, head 0, dim 0 in k (and v, dk, dv)
+  kSeqLseBase = 2,  // element offset of its query 0, head 0 in lse (and delta)
+  kSeqQLen = 3,     // queries (the last q_len positions of the sequence)
+  kSeqKvLen = 4,    // keys / values, positions 0 .. kv_len-1
+};
+constexpr int kAttentionSeqFields = 5;
+
+struct AttentionProblem {
+  int64_t num_seqs = 0;
+  int64_t heads_q = 0, heads_kv = 0, head_dim = 0;
+  // Upper bounds of q_len and kv_len over the sequences: they size grids only. Kernels loop
+  // until each sequence's own lengths, so a bound that is too large costs idle blocks, never
+  // results; a bound that is too small is a caller bug the host wrappers rule out.
+  int64_t max_q_len = 0, max_kv_len = 0;
+  // [num_seqs][kAttentionSeqFields] int64, in the kernel's memory space (device for GPU paths).
+  const int64_t* seqs = nullptr;
+  // Q[s][h][i][d] = q[seqs[s].q_base + i * q_stride_token + h * q_stride_head + d]; out, dout
+  // and dq use the same offsets and strides.
+  const void* q = nullptr;
+  int64_t q_stride_token = 0, q_stride_head = 0;
+  // K[s][g][j][d] = k[seqs[s].kv_base + j * kv_stride_token + g * kv_stride_head + d]; v, dk, dv
+  // the same.
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t kv_stride_token = 0, kv_stride_head = 0;
+  // Output in the input dtype; lse fp32: LSE[s][h][i] = lse[seqs[s].lse_base + h * lse_stride_head + i].
+  void* out = nullptr;
+  float* lse = nullptr;
+  int64_t lse_stride_head = 0;
+  float scale = 1.f;  // applied to q.k in fp32
+  bool causal = true;
+};
+
+// Backward: the forward's problem (its out and lse are inputs now) plus the gradients.
+struct AttentionGradProblem {
+  AttentionProblem fwd;  // fwd.out and fwd.lse: the saved forward output and log-sum-exp
+  const void* dout = nullptr;  // same layout as q
+  void* dq = nullptr;          // same layout as q, input dtype
+  void* dk = nullptr;          // same layout as k, input dtype
+  void* dv = nullptr;          // same layout as v, input dtype
+  float* delta = nullptr;      // fp32 workspace, same layout as lse
+};
+
+}  // namespace rl_align
