@@ -10,6 +10,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <optional>
+#include <tuple>
+
 namespace rl_align {
 namespace {
 
@@ -94,6 +98,103 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   }
 };
 
+using AttentionOut = std::tuple<at::Tensor, at::Tensor>;
+using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// Scale as the ops resolve it, so that the backward gets the forward's value.
+double resolved_scale(std::optional<double> scale, const at::Tensor& q) {
+  return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+}
+
+// lse is an output for samplers and tests, not a differentiable one: its gradient is ignored.
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const std::optional<at::Tensor>& padding_mask,
+                               std::optional<double> scale, bool causal) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rl_align::attention", "")
+            .typed<AttentionOut(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&, std::optional<double>, bool)>();
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, lse] = op.call(q, k, v, padding_mask, scale, causal);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["mask"] = padding_mask.has_value() ? c10::IValue(*padding_mask) : c10::IValue();
+    ctx->saved_data["scale"] = resolved_scale(scale, q);
+    ctx->saved_data["causal"] = causal;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rl_align::attention_backward", "")
+            .typed<AttentionGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const std::optional<at::Tensor>&, double, bool)>();
+    const variable_list s = ctx->get_saved_variables();
+    const c10::IValue& mask = ctx->saved_data["mask"];
+    auto [dq, dk, dv] = op.call(grad_outputs[0], s[0], s[1], s[2], s[3], s[4],
+                                mask.isNone() ? std::nullopt : std::optional<at::Tensor>(mask.toTensor()),
+                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool());
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlenFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& cu_seqlens,
+                               std::optional<int64_t> max_seqlen, std::optional<double> scale,
+                               bool causal) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rl_align::attention_varlen", "")
+            .typed<AttentionOut(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, std::optional<int64_t>, std::optional<double>,
+                                bool)>();
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, lse] = op.call(q, k, v, cu_seqlens, max_seqlen, scale, causal);
+    ctx->save_for_backward({q, k, v, out, lse, cu_seqlens});
+    ctx->saved_data["max_seqlen"] = max_seqlen.has_value() ? c10::IValue(*max_seqlen) : c10::IValue();
+    ctx->saved_data["scale"] = resolved_scale(scale, q);
+    ctx->saved_data["causal"] = causal;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rl_align::attention_varlen_backward", "")
+            .typed<AttentionGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, std::optional<int64_t>, double, bool)>();
+    const variable_list s = ctx->get_saved_variables();
+    const c10::IValue& max_seqlen = ctx->saved_data["max_seqlen"];
+    auto [dq, dk, dv] = op.call(grad_outputs[0], s[0], s[1], s[2], s[3], s[4], s[5],
+                                max_seqlen.isNone() ? std::nullopt : std::optional<int64_t>(max_seqlen.toInt()),
+                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool());
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+AttentionOut attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const std::optional<at::Tensor>& padding_mask,
+                                std::optional<double> scale, bool causal) {
+  const variable_list r = AttentionFunction::apply(q, k, v, padding_mask, scale, causal);
+  return {r[0], r[1]};
+}
+
+AttentionOut attention_varlen_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& cu_seqlens, std::optional<int64_t> max_seqlen,
+                                       std::optional<double> scale, bool causal) {
+  const variable_list r = AttentionVarlenFunction::apply(q, k, v, cu_seqlens, max_seqlen, scale, causal);
+  return {r[0], r[1]};
+}
+
 at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
   return LinearFunction::apply(x, weight, bias);
@@ -108,10 +209,14 @@ at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, doub
 TORCH_LIBRARY_IMPL(rl_align, Autograd, m) {
   m.impl("rms_norm", &rms_norm_autograd);
   m.impl("linear", &linear_autograd);
+  m.impl("attention", &attention_autograd);
+  m.impl("attention_varlen", &attention_varlen_autograd);
   // The backward ops have no derivative of their own: differentiating through them raises
   // instead of silently treating them as constants.
+  // The KV-cache op serves inference only: it has no backward either.
   for (const char* op : {"rms_norm_backward", "linear_grad_input", "linear_grad_weight",
-                         "linear_grad_bias"}) {
+                         "linear_grad_bias", "attention_backward", "attention_varlen_backward",
+                         "attention_kvcache"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }

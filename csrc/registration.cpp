@@ -42,4 +42,35 @@ TORCH_LIBRARY(rl_align, m) {
   // grad_bias (fp32 [out]) = dbias_accum (or 0) + the sum of grad_out over tokens, in tiles of
   // LINEAR_GRAD_TILE_TOKENS tokens added in order.
   m.def("linear_grad_bias(Tensor grad_out, Tensor? dbias_accum=None) -> Tensor");
+
+  // Attention: softmax(scale * q k^T) v per sequence, causal by default, GQA (query heads a
+  // multiple of key/value heads; query head h reads kv head h / (Hq / Hkv)). Returns (out in
+  // q.dtype and q's layout, lse = fp32 log-sum-exp per query and head). A token's out and lse
+  // depend only on its own sequence's q/k/v up to its position, bit for bit: keys are taken in
+  // blocks of 64 positions of the sequence's own numbering (csrc/common/attention_problem.h).
+  // Padded batch: q [B, Hq, S, D], k/v [B, Hkv, S, D]; padding_mask [B, S] marks real tokens (one
+  // run per row: left or right padding); lse [B, Hq, S]; padding rows give out 0, lse -inf.
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, Tensor? padding_mask=None, float? scale=None, "
+      "bool causal=True) -> (Tensor, Tensor)");
+  // Returns (grad_q, grad_k, grad_v) in the input dtype; no atomics, fixed accumulation order.
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? padding_mask, float scale, bool causal) -> (Tensor, Tensor, Tensor)");
+  // Packed: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [num_seqs + 1] (int32/int64); lse [Hq, T].
+  // max_seqlen, when given, is checked against the sequences.
+  m.def(
+      "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int? max_seqlen=None, "
+      "float? scale=None, bool causal=True) -> (Tensor, Tensor)");
+  m.def(
+      "attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor cu_seqlens, int? max_seqlen, float scale, bool causal) -> "
+      "(Tensor, Tensor, Tensor)");
+  // KV cache (decode: n = 1, chunked prefill: n > 1): q [B, Hq, n, D] are positions
+  // cache_seqlens[b]-n .. cache_seqlens[b]-1 of sequence b, attending causally to positions
+  // 0 .. cache_seqlens[b]-1 of k_cache/v_cache [B, Hkv, S_max, D] (new keys already written).
+  // Same bits as the prefill of the whole sequence. lse [B, Hq, n]. Not differentiable.
+  m.def(
+      "attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
+      "float? scale=None) -> (Tensor, Tensor)");
 }

@@ -6,13 +6,18 @@ See README.md for the op table and rl_engine_ext.contract for the numerical cont
 """
 
 from ._native import NATIVE_AVAILABLE, NATIVE_UNAVAILABLE_REASON, has_native_kernel
+from .ops.attention import ATTENTION_KV_BLOCK, attention, attention_kvcache, attention_varlen
 from .ops.linear import LINEAR_GRAD_TILE_TOKENS, linear, linear_grad_bias, linear_grad_input, linear_grad_weight
 from .ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_tile_rows
 
 __all__ = [
+    "ATTENTION_KV_BLOCK",
     "LINEAR_GRAD_TILE_TOKENS",
     "NATIVE_AVAILABLE",
     "NATIVE_UNAVAILABLE_REASON",
+    "attention",
+    "attention_kvcache",
+    "attention_varlen",
     "has_native_kernel",
     "linear",
     "linear_grad_bias",

@@ -17,6 +17,7 @@ import torch
 
 import rl_engine_ext
 from rl_engine_ext import contract, testing
+from rl_engine_ext.ops import attention as attention_mod
 from rl_engine_ext.ops import linear as linear_mod
 from rl_engine_ext.ops import rms_norm as rms_mod
 
@@ -122,10 +123,46 @@ def check_linear(device: str, dtype: torch.dtype, rows: int, out_features: int, 
     )
 
 
+def check_attention(device: str, dtype: torch.dtype, batch: int, heads_q: int, heads_kv: int, seq: int,
+                    head_dim: int) -> CaseResult:
+    """The harness over the batch of sequences (batch of 1, sub-batches, padding with other
+    sequences, chunks, repeats, per-sequence gradients), plus KV-cache decode of every sequence's
+    last position against its prefill row; accuracy against the fp32 ground truth."""
+    q = _randn((batch, heads_q, seq, head_dim), dtype, device, seed=seq)
+    k = _randn((batch, heads_kv, seq, head_dim), dtype, device, seed=seq + 1)
+    v = _randn((batch, heads_kv, seq, head_dim), dtype, device, seed=seq + 2)
+    report = testing.check_invariance(lambda q, k, v: rl_engine_ext.attention(q, k, v), [q, k, v])
+    forward_drifts = [d for d in report.drifts if d.tensor.startswith("out")]
+    backward_drifts = [d for d in report.drifts if not d.tensor.startswith("out")]
+    got = rl_engine_ext.attention(q, k, v)
+    lens = torch.full((batch,), seq, dtype=torch.int32, device=device)
+    decode = rl_engine_ext.attention_kvcache(q[:, :, -1:], k, v, lens)
+    drift = testing.compare("out", "kvcache_decode[last position]", decode, got[:, :, -1:])
+    if drift is not None:
+        forward_drifts.append(drift)
+    truth = attention_mod.reference_forward_fp32(q, k, v)[0]
+    tol = contract.tolerance("attention", dtype, "forward")
+    drifts = forward_drifts + backward_drifts
+    return CaseResult(
+        op="attention",
+        device=device,
+        dtype=dtype,
+        shape=(batch, heads_q, heads_kv, seq, head_dim),
+        implementation="native" if rl_engine_ext.has_native_kernel("attention", device) else "reference",
+        forward_invariant=not forward_drifts,
+        backward_invariant=not backward_drifts,
+        accuracy_ok=bool(torch.allclose(got.float(), truth, atol=tol.atol, rtol=tol.rtol)),
+        max_invariance_diff=max((d.max_abs for d in drifts), default=0.0),
+        max_accuracy_diff=(got.float() - truth).abs().max().item() if got.numel() else 0.0,
+        detail=str(drifts[0]) if drifts else "",
+    )
+
+
 # op name -> (checker, shapes); each shape is the checker's trailing arguments.
 CHECKS: dict[str, tuple[Callable[..., CaseResult], list[tuple[int, ...]]]] = {
     "rms_norm": (check_rms_norm, [(257, 4096), (1029, 128)]),
     "linear": (check_linear, [(257, 512, 1024), (130, 33, 100)]),
+    "attention": (check_attention, [(5, 4, 2, 130, 64), (3, 8, 8, 77, 128)]),
 }
 
 

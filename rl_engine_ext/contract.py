@@ -61,12 +61,23 @@ _TOLERANCES: dict[tuple[str, str], dict[torch.dtype, Tolerance]] = {
         torch.bfloat16: Tolerance(1e-1, 2e-2),
         torch.float16: Tolerance(1e-3, 1e-3),
     },
+    # The reduction row except fp16 atol 1e-3 -> 3e-3. Reason: a flash-style backward rounds the
+    # probabilities P and dS to the input dtype before the tensor-core products (as FlashAttention
+    # does). Measured on H100 vs the fp32 truth (benchmarks/results/h100_attention_summary.txt),
+    # the atol needed at rtol 1e-3: ours up to 1.5e-3, torch SDPA's flash backward up to 2.4e-3 on
+    # the same inputs; 3e-3 admits the standard flash backward and no more.
+    ("attention", "gradient"): {
+        torch.float32: Tolerance(1e-4, 1e-4),
+        torch.bfloat16: Tolerance(1e-1, 2e-2),
+        torch.float16: Tolerance(3e-3, 1e-3),
+    },
 }
 
 # Which op class each op's accuracy is judged by.
 OP_CLASS: dict[str, str] = {
     "rms_norm": "reduction",
     "linear": "reduction",
+    "attention": "attention",
 }
 
 
@@ -80,10 +91,13 @@ def check_dtype(op: str, dtype: torch.dtype, arg: str = "input") -> None:
 def tolerance(op: str, dtype: torch.dtype, kind: str = "forward") -> Tolerance:
     """The Axis-B tolerance of ``op`` for ``dtype``; ``kind`` is "forward" or "gradient".
 
-    Gradients of every op class are judged by the "gradient (reduction)" row.
+    Gradients are judged by the op class's own gradient row where it has one (attention), else
+    by the "gradient (reduction)" row.
     """
     check_dtype(op, dtype)
-    op_class = OP_CLASS[op] if kind == "forward" else "reduction"
+    op_class = OP_CLASS[op]
+    if kind == "gradient" and (op_class, kind) not in _TOLERANCES:
+        op_class = "reduction"
     return _TOLERANCES[(op_class, kind)][dtype]
 
 

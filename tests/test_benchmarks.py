@@ -54,3 +54,21 @@ def test_bench_linear_quick_cpu(tmp_path):
             assert any(r["metric"] == "ratio_vs_cublas" and r["mode"] == mode and r["shape"] == shape for r in rows)
             assert any(r["metric"] == "frac_of_copy" and r["mode"] == mode and r["shape"] == shape for r in rows)
     assert "fwd M=1: min ratio" in done.stdout
+
+
+def test_bench_attention_quick_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"), "--device", "cpu", "--quick",
+         "--out", str(tmp_path), "--tag", "smoke"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "attention_smoke.csv") as f:
+        rows = list(csv.DictReader(f))
+    for mode in ("fwd", "fwd+bwd", "decode"):
+        ratios = [r for r in rows if (r["mode"], r["metric"]) == (mode, "ratio_vs_sdpa")]
+        assert len(ratios) == 1 and math.isfinite(float(ratios[0]["median"])) and float(ratios[0]["median"]) > 0
+        times = [r for r in rows if (r["mode"], r["metric"]) == (mode, "time_us")]
+        assert {r["provider"] for r in times} >= {"rl_engine_ext"} and len(times) == 2
+    assert any(r["metric"] == "bandwidth_TBps" for r in rows if r["mode"] == "decode")
+    assert "targets" in done.stdout

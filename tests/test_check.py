@@ -7,11 +7,11 @@ from rl_engine_ext import check
 def test_status_matrix_passes_on_cpu(capsys):
     assert check.main(["--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    for op in ("rms_norm", "linear"):
+    for op in ("rms_norm", "linear", "attention"):
         rows = [line for line in out.splitlines() if line.startswith(op)]
         assert len(rows) == 2 * 3, op  # two shapes x three dtypes
         assert all(line.split()[4:8] == ["native", "ok", "ok", "ok"] for line in rows), op
-    assert "all 12 cases passed" in out
+    assert "all 18 cases passed" in out
 
 
 def test_status_matrix_reports_first_failing_op(capsys, monkeypatch):

@@ -10,22 +10,12 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "../linear_host.h"
+#include "launcher_util.h"
 #include "linear_kernels.h"
 
 namespace rl_align {
 namespace {
-
-DType kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: return DType::kFloat32;  // the checks admit only these three
-  }
-}
 
 const char* path_name(GemmPath path) {
   switch (path) {
@@ -38,17 +28,14 @@ const char* path_name(GemmPath path) {
 
 GemmPath choose_path(const char* op, at::ScalarType dtype, int device) {
   const DType dt = kernel_dtype(dtype);
-  const char* forced = std::getenv("RL_ENGINE_EXT_LINEAR_PATH");
-  if (forced != nullptr && *forced != '\0' && std::strcmp(forced, "auto") != 0) {
-    for (GemmPath path : {GemmPath::kSm90, GemmPath::kSm80, GemmPath::kSimt}) {
-      if (std::strcmp(forced, path_name(path)) != 0) continue;
-      TORCH_CHECK(gemm_path_available(path, dt, device), "rl_align::", op,
-                  ": RL_ENGINE_EXT_LINEAR_PATH=", forced, " cannot run ", dtype_name(dtype),
-                  " on this device");
-      return path;
-    }
-    TORCH_CHECK_VALUE(false, "rl_align::", op, ": RL_ENGINE_EXT_LINEAR_PATH must be auto, sm90, "
-                      "sm80 or simt, got '", forced, "'");
+  constexpr GemmPath kPaths[] = {GemmPath::kSm90, GemmPath::kSm80, GemmPath::kSimt};
+  const int forced = forced_path_index(op, "RL_ENGINE_EXT_LINEAR_PATH", {"sm90", "sm80", "simt"});
+  if (forced >= 0) {
+    const GemmPath path = kPaths[forced];
+    TORCH_CHECK(gemm_path_available(path, dt, device), "rl_align::", op,
+                ": RL_ENGINE_EXT_LINEAR_PATH=", path_name(path), " cannot run ", dtype_name(dtype),
+                " on this device");
+    return path;
   }
   for (GemmPath path : {GemmPath::kSm90, GemmPath::kSm80}) {
     if (gemm_path_available(path, dt, device)) return path;

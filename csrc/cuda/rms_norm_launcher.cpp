@@ -5,18 +5,11 @@
 #include <torch/library.h>
 
 #include "../rms_norm_host.h"
+#include "launcher_util.h"
 #include "rms_norm_kernels.h"
 
 namespace rl_align {
 namespace {
-
-DType kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: return DType::kFloat32;  // the checks admit only these three
-  }
-}
 
 void check_gpu_hidden(const char* op, const at::Tensor& x) {
   const int64_t max_hidden = rms_norm_gpu_max_hidden(static_cast<int>(x.element_size()));

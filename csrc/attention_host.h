@@ -1,0 +1,420 @@
+// Host side of the attention ops, shared by the CPU and GPU bindings: argument checks, the
+// reduction of each layout (padded batch, packed varlen, KV cache) to one AttentionProblem, and
+// the empty-shape cases.
+//
+// A Backend supplies:
+//   static bool needs_aligned_operands(at::ScalarType dtype, int64_t head_dim, const at::Tensor& like);
+//   static void fwd(const char* op, at::ScalarType dtype, const AttentionProblem& p, const at::Tensor& like);
+//   static void bwd(const char* op, at::ScalarType dtype, const AttentionGradProblem& p, const at::Tensor& like);
+// p.seqs points into a tensor on the inputs' device.
+//
+// Sequence lengths (padding mask, cu_seqlens, cache lengths) are read on the host: they are
+// validated there, because a mask whose tokens are not one run, or a cu_seqlens that is not
+// monotone, would otherwise give a silently wrong answer. That is one device-to-host copy per call.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "common/attention_problem.h"
+#include "rms_norm_host.h"
+
+namespace rl_align {
+
+// ------------------------------------------------------------------------------------------------
+// Checks
+// ------------------------------------------------------------------------------------------------
+
+inline void check_attention_qkv(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& v, int64_t dims, const char* layout) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
+    check_dtype(op, name, t);
+    TORCH_CHECK_VALUE(t.dim() == dims, "rl_align::", op, ": ", name, " must be ", dims, "-D ",
+                      layout, ", got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), "rl_align::", op, ": ", name, " dtype ",
+                      dtype_name(t.scalar_type()), " differs from q dtype ", dtype_name(q.scalar_type()));
+    TORCH_CHECK(t.device() == q.device(), "rl_align::", op, ": ", name, " is on ", t.device(),
+                " but q is on ", q.device());
+  }
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "rl_align::", op, ": k ", k.sizes(), " and v ",
+                    v.sizes(), " must have the same shape");
+  const int64_t d = q.size(-1);
+  TORCH_CHECK_VALUE(k.size(-1) == d, "rl_align::", op, ": q head_dim ", d, " differs from k head_dim ",
+                    k.size(-1));
+  TORCH_CHECK_VALUE(d >= 1, "rl_align::", op, ": head_dim must be >= 1");
+  const int64_t hq = q.size(1), hkv = k.size(1);  // heads are dimension 1 in every layout
+  TORCH_CHECK_VALUE(hkv >= 1 && hq % hkv == 0, "rl_align::", op, ": query heads (", hq,
+                    ") must be a positive multiple of key/value heads (", hkv, ")");
+}
+
+inline double attention_scale(const char* op, const std::optional<double>& scale, int64_t head_dim) {
+  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+  TORCH_CHECK_VALUE(std::isfinite(s), "rl_align::", op, ": scale must be finite, got ", s);
+  return s;
+}
+
+// A sequence-lengths tensor (mask, cu_seqlens, cache lengths) copied to the host as int64.
+inline std::vector<int64_t> host_int64(const char* op, const char* name, const at::Tensor& t,
+                                       const at::Tensor& like) {
+  TORCH_CHECK(t.device() == like.device(), "rl_align::", op, ": ", name, " is on ", t.device(),
+              " but q is on ", like.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kBool || at::isIntegralType(t.scalar_type(), false),
+                    "rl_align::", op, ": ", name, " must be a bool or integer tensor, got ",
+                    dtype_name(t.scalar_type()));
+  const at::Tensor h = t.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(h.const_data_ptr<int64_t>(), h.const_data_ptr<int64_t>() + h.numel());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Operands
+// ------------------------------------------------------------------------------------------------
+
+// Kernels read every operand as dense rows of head_dim elements with int64 token/head strides.
+// An operand that is not (last dim strided, overlapping, or — for the tensor-core paths — not
+// 16-byte aligned) is copied into a fresh tensor: same values, same arithmetic.
+inline at::Tensor attention_operand(const at::Tensor& t, bool aligned) {
+  bool ok = t.stride(-1) == 1 && t.is_non_overlapping_and_dense();
+  if (ok && aligned) {
+    const int64_t elem = t.element_size();
+    ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+    for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.stride(d) * elem) % 16 == 0;
+  }
+  if (ok) return t;
+  // A dense tensor keeps its strides (a fresh allocation is aligned), others become contiguous:
+  // the output then has the layout the fake kernels promise (empty_like(q)).
+  const bool dense = t.stride(-1) == 1 && t.is_non_overlapping_and_dense();
+  return (dense ? at::empty_like(t) : at::empty(t.sizes(), t.options())).copy_(t);
+}
+
+// `t` in exactly the strides of `like` (gradients and saved outputs must share q's offsets).
+inline at::Tensor same_layout(const at::Tensor& t, const at::Tensor& like) {
+  if (t.strides() == like.strides() && t.storage_offset() == like.storage_offset()) return t;
+  return at::empty_like(like).copy_(t);
+}
+
+inline at::Tensor seqs_tensor(const std::vector<int64_t>& seqs, const at::Tensor& like) {
+  const int64_t n = static_cast<int64_t>(seqs.size()) / kAttentionSeqFields;
+  return at::tensor(seqs, at::TensorOptions().dtype(at::kLong)).view({n, kAttentionSeqFields}).to(like.device());
+}
+
+struct SeqDesc {
+  int64_t q_base, kv_base, lse_base, q_len, kv_len;
+};
+
+inline std::vector<int64_t> flatten(const std::vector<SeqDesc>& d) {
+  std::vector<int64_t> out;
+  out.reserve(d.size() * kAttentionSeqFields);
+  for (const SeqDesc& s : d) out.insert(out.end(), {s.q_base, s.kv_base, s.lse_base, s.q_len, s.kv_len});
+  return out;
+}
+
+// The problem for operands q (and out) [.., Hq, .., D] and k/v [.., Hkv, .., D] with the given
+// token and head strides (in elements) and lse head stride.
+inline AttentionProblem make_problem(const std::vector<SeqDesc>& seqs, const at::Tensor& seqs_dev,
+                                     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     int64_t q_token_dim, int64_t q_head_dim, int64_t lse_stride_head,
+                                     double scale, bool causal) {
+  AttentionProblem p;
+  p.num_seqs = static_cast<int64_t>(seqs.size());
+  p.heads_q = q.size(q_head_dim);
+  p.heads_kv = k.size(q_head_dim);
+  p.head_dim = q.size(-1);
+  for (const SeqDesc& s : seqs) {
+    p.max_q_len = std::max(p.max_q_len, s.q_len);
+    p.max_kv_len = std::max(p.max_kv_len, s.kv_len);
+  }
+  p.seqs = seqs_dev.const_data_ptr<int64_t>();
+  p.q = q.const_data_ptr();
+  p.q_stride_token = q.stride(q_token_dim);
+  p.q_stride_head = q.stride(q_head_dim);
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  p.kv_stride_token = k.stride(q_token_dim);
+  p.kv_stride_head = k.stride(q_head_dim);
+  p.lse_stride_head = lse_stride_head;
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  return p;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Layouts -> sequences
+// ------------------------------------------------------------------------------------------------
+
+// Padded batch q [B, Hq, S, D], k/v [B, Hkv, S, D]; the mask [B, S] marks real tokens, which must
+// form one run per row (left or right padding). Sequence b is that run; its positions start at 0.
+inline std::vector<SeqDesc> padded_seqs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                        const std::optional<at::Tensor>& mask, bool* any_padding) {
+  const int64_t b = q.size(0), hq = q.size(1), s = q.size(2);
+  std::vector<int64_t> m;
+  if (mask.has_value()) {
+    TORCH_CHECK_VALUE(mask->dim() == 2 && mask->size(0) == b && mask->size(1) == s, "rl_align::", op,
+                      ": padding_mask must have shape [", b, ", ", s, "] ([batch, seq]), got ",
+                      mask->sizes());
+    m = host_int64(op, "padding_mask", *mask, q);
+  }
+  std::vector<SeqDesc> seqs;
+  seqs.reserve(b);
+  *any_padding = false;
+  for (int64_t i = 0; i < b; ++i) {
+    int64_t first = 0, len = s;
+    if (!m.empty()) {
+      const int64_t* row = m.data() + i * s;
+      first = 0;
+      while (first < s && row[first] == 0) ++first;
+      int64_t last = first;
+      while (last < s && row[last] != 0) ++last;
+      len = last - first;
+      for (int64_t j = last; j < s; ++j) {
+        TORCH_CHECK_VALUE(row[j] == 0, "rl_align::", op, ": padding_mask row ", i,
+                          " has padding inside the sequence (position ", j,
+                          "); real tokens must be one run (left or right padding)");
+      }
+      *any_padding = *any_padding || len != s;
+    }
+    seqs.push_back({i * q.stride(0) + first * q.stride(2), i * k.stride(0) + first * k.stride(2),
+                    i * hq * s + first, len, len});
+  }
+  return seqs;
+}
+
+// Packed q [T, Hq, D], k/v [T, Hkv, D]; cu_seqlens [B + 1]: sequence i is tokens
+// cu[i] .. cu[i+1]-1. lse is [Hq, T].
+inline std::vector<SeqDesc> varlen_seqs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cu_seqlens, std::optional<int64_t> max_seqlen) {
+  TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "rl_align::", op,
+                    ": cu_seqlens must be 1-D [num_seqs + 1], got shape ", cu_seqlens.sizes());
+  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong,
+                    "rl_align::", op, ": cu_seqlens must be torch.int32 or torch.int64, got ",
+                    dtype_name(cu_seqlens.scalar_type()));
+  const std::vector<int64_t> cu = host_int64(op, "cu_seqlens", cu_seqlens, q);
+  const int64_t t = q.size(0);
+  TORCH_CHECK_VALUE(cu.front() == 0 && cu.back() == t, "rl_align::", op,
+                    ": cu_seqlens must start at 0 and end at the token count ", t, ", got ",
+                    cu.front(), " ... ", cu.back());
+  std::vector<SeqDesc> seqs;
+  seqs.reserve(cu.size() - 1);
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    const int64_t len = cu[i + 1] - cu[i];
+    TORCH_CHECK_VALUE(len >= 0, "rl_align::", op, ": cu_seqlens must be non-decreasing, got ",
+                      cu[i], " then ", cu[i + 1]);
+    TORCH_CHECK_VALUE(!max_seqlen.has_value() || len <= *max_seqlen, "rl_align::", op,
+                      ": sequence ", i, " has ", len, " tokens, more than max_seqlen = ", *max_seqlen);
+    seqs.push_back({cu[i] * q.stride(0), cu[i] * k.stride(0), cu[i], len, len});
+  }
+  return seqs;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Ops
+// ------------------------------------------------------------------------------------------------
+
+inline void check_padded(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_attention_qkv(op, q, k, v, 4, "[batch, heads, seq, head_dim]");
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(2) == q.size(2), "rl_align::", op, ": q ",
+                    q.sizes(), " and k ", k.sizes(), " must agree in batch and seq");
+}
+
+inline void check_varlen(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_attention_qkv(op, q, k, v, 3, "[tokens, heads, head_dim]");
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "rl_align::", op, ": q ", q.sizes(), " and k ",
+                    k.sizes(), " must have the same token count");
+}
+
+// q, k, v as the kernels read them (see attention_operand); v shares k's strides.
+struct AttentionOperands {
+  at::Tensor q, k, v;
+};
+
+template <typename Backend>
+AttentionOperands attention_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const bool aligned = Backend::needs_aligned_operands(q.scalar_type(), q.size(-1), q);
+  const at::Tensor kn = attention_operand(k, aligned);
+  return {attention_operand(q, aligned), kn, same_layout(attention_operand(v, aligned), kn)};
+}
+
+// Where a layout keeps its token and head dimensions, and its lse.
+struct AttentionLayout {
+  int64_t token_dim, head_dim;
+  std::vector<int64_t> lse_shape;
+  int64_t lse_stride_head;
+};
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const AttentionOperands& x,
+                                                        const std::vector<SeqDesc>& seqs,
+                                                        const AttentionLayout& layout, double scale,
+                                                        bool causal, bool any_padding) {
+  const at::Tensor& q = x.q;
+  // Rows no sequence owns (padding) are never written by the kernels: zero output, lse = -inf
+  // (the log-sum-exp of no keys).
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = any_padding ? at::zeros_like(q) : at::empty_like(q);
+  at::Tensor lse = any_padding ? at::full(layout.lse_shape, -std::numeric_limits<float>::infinity(), f32)
+                               : at::empty(layout.lse_shape, f32);
+  int64_t max_q_len = 0;
+  for (const SeqDesc& d : seqs) max_q_len = std::max(max_q_len, d.q_len);
+  if (q.numel() == 0 || max_q_len == 0) return {out, lse};
+  const at::Tensor seqs_dev = seqs_tensor(flatten(seqs), q);
+  AttentionProblem p = make_problem(seqs, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
+                                    layout.lse_stride_head, scale, causal);
+  p.out = out.mutable_data_ptr();
+  p.lse = lse.mutable_data_ptr<float>();
+  Backend::fwd(op, q.scalar_type(), p, q);
+  return {out, lse};
+}
+
+inline void check_backward_extras(const char* op, const at::Tensor& grad_out, const at::Tensor& out,
+                                  const at::Tensor& lse, const at::Tensor& q,
+                                  at::IntArrayRef lse_shape) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"grad_out", grad_out}, {"out", out}}) {
+    TORCH_CHECK_VALUE(t.sizes() == q.sizes(), "rl_align::", op, ": ", name, " shape ", t.sizes(),
+                      " differs from q shape ", q.sizes());
+    TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), "rl_align::", op, ": ", name, " dtype ",
+                      dtype_name(t.scalar_type()), " differs from q dtype ", dtype_name(q.scalar_type()));
+    TORCH_CHECK(t.device() == q.device(), "rl_align::", op, ": ", name, " is on ", t.device(),
+                " but q is on ", q.device());
+  }
+  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == lse_shape, "rl_align::", op,
+                    ": lse must be torch.float32 of shape ", lse_shape, ", got ",
+                    dtype_name(lse.scalar_type()), " ", lse.sizes());
+  TORCH_CHECK(lse.device() == q.device(), "rl_align::", op, ": lse is on ", lse.device(),
+              " but q is on ", q.device());
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
+    const char* op, const AttentionOperands& x, const at::Tensor& grad_out, const at::Tensor& out,
+    const at::Tensor& lse, const std::vector<SeqDesc>& seqs, const AttentionLayout& layout,
+    double scale, bool causal, bool any_padding) {
+  const at::Tensor& q = x.q;
+  // Padding rows and keys get zero gradients: the kernels write only the sequences' tokens, and
+  // keys of no sequence are written by no one.
+  at::Tensor dq = any_padding ? at::zeros_like(q) : at::empty_like(q);
+  at::Tensor dk = any_padding ? at::zeros_like(x.k) : at::empty_like(x.k);
+  at::Tensor dv = any_padding ? at::zeros_like(x.k) : at::empty_like(x.k);
+  int64_t max_q_len = 0;
+  for (const SeqDesc& d : seqs) max_q_len = std::max(max_q_len, d.q_len);
+  if (q.numel() == 0 || max_q_len == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  const at::Tensor don = same_layout(grad_out, q);
+  const at::Tensor on = same_layout(out, q);
+  const at::Tensor lsen = lse.contiguous();
+  at::Tensor delta = at::empty_like(lsen);
+  const at::Tensor seqs_dev = seqs_tensor(flatten(seqs), q);
+  AttentionGradProblem g;
+  g.fwd = make_problem(seqs, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
+                       layout.lse_stride_head, scale, causal);
+  // The kernels only read these two through the gradient problem.
+  g.fwd.out = const_cast<void*>(on.const_data_ptr());
+  g.fwd.lse = const_cast<float*>(lsen.const_data_ptr<float>());
+  g.dout = don.const_data_ptr();
+  g.dq = dq.mutable_data_ptr();
+  g.dk = dk.mutable_data_ptr();
+  g.dv = dv.mutable_data_ptr();
+  g.delta = delta.mutable_data_ptr<float>();
+  Backend::bwd(op, q.scalar_type(), g, q);
+  return {dq, dk, dv};
+}
+
+inline AttentionLayout padded_layout(const at::Tensor& q) {
+  return {2, 1, {q.size(0), q.size(1), q.size(2)}, q.size(2)};
+}
+
+inline AttentionLayout varlen_layout(const at::Tensor& q) {
+  return {0, 1, {q.size(1), q.size(0)}, q.size(0)};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v,
+                                                  const std::optional<at::Tensor>& padding_mask,
+                                                  std::optional<double> scale, bool causal) {
+  constexpr const char* op = "attention";
+  check_padded(op, q, k, v);
+  const double s = attention_scale(op, scale, q.size(3));
+  const AttentionOperands x = attention_operands<Backend>(q, k, v);
+  bool any_padding = false;
+  const std::vector<SeqDesc> seqs = padded_seqs(op, x.q, x.k, padding_mask, &any_padding);
+  return attention_fwd_common<Backend>(op, x, seqs, padded_layout(q), s, causal, any_padding);
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& padding_mask,
+    double scale, bool causal) {
+  constexpr const char* op = "attention_backward";
+  check_padded(op, q, k, v);
+  const AttentionLayout layout = padded_layout(q);
+  check_backward_extras(op, grad_out, out, lse, q, layout.lse_shape);
+  const AttentionOperands x = attention_operands<Backend>(q, k, v);
+  bool any_padding = false;
+  const std::vector<SeqDesc> seqs = padded_seqs(op, x.q, x.k, padding_mask, &any_padding);
+  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, seqs, layout,
+                                       attention_scale(op, scale, q.size(3)), causal, any_padding);
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> attention_varlen_impl(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v,
+                                                         const at::Tensor& cu_seqlens,
+                                                         std::optional<int64_t> max_seqlen,
+                                                         std::optional<double> scale, bool causal) {
+  constexpr const char* op = "attention_varlen";
+  check_varlen(op, q, k, v);
+  const double s = attention_scale(op, scale, q.size(2));
+  const AttentionOperands x = attention_operands<Backend>(q, k, v);
+  const std::vector<SeqDesc> seqs = varlen_seqs(op, x.q, x.k, cu_seqlens, max_seqlen);
+  return attention_fwd_common<Backend>(op, x, seqs, varlen_layout(q), s, causal, false);
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_impl(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens,
+    std::optional<int64_t> max_seqlen, double scale, bool causal) {
+  constexpr const char* op = "attention_varlen_backward";
+  check_varlen(op, q, k, v);
+  const AttentionLayout layout = varlen_layout(q);
+  check_backward_extras(op, grad_out, out, lse, q, layout.lse_shape);
+  const AttentionOperands x = attention_operands<Backend>(q, k, v);
+  const std::vector<SeqDesc> seqs = varlen_seqs(op, x.q, x.k, cu_seqlens, max_seqlen);
+  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, seqs, layout,
+                                       attention_scale(op, scale, q.size(2)), causal, false);
+}
+
+// KV cache: q [B, Hq, n, D] holds positions kv_len[b]-n .. kv_len[b]-1 of sequence b, whose keys
+// and values 0 .. kv_len[b]-1 are in k_cache/v_cache [B, Hkv, S_max, D] (the new ones included).
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache,
+                                                          const at::Tensor& cache_seqlens,
+                                                          std::optional<double> scale) {
+  constexpr const char* op = "attention_kvcache";
+  check_attention_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]");
+  TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "rl_align::", op, ": q ", q.sizes(), " and k_cache ",
+                    k_cache.sizes(), " must have the same batch size");
+  TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == q.size(0), "rl_align::", op,
+                    ": cache_seqlens must have shape [", q.size(0), "], got ", cache_seqlens.sizes());
+  const double s = attention_scale(op, scale, q.size(3));
+  const std::vector<int64_t> lens = host_int64(op, "cache_seqlens", cache_seqlens, q);
+  const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
+  const int64_t n = q.size(2), s_max = k_cache.size(2);
+  std::vector<SeqDesc> seqs;
+  seqs.reserve(lens.size());
+  for (size_t b = 0; b < lens.size(); ++b) {
+    TORCH_CHECK_VALUE(lens[b] >= n && lens[b] <= s_max, "rl_align::", op, ": cache_seqlens[", b,
+                      "] = ", lens[b], " must hold the ", n, " new tokens and fit the cache (",
+                      s_max, " positions)");
+    const int64_t bi = static_cast<int64_t>(b);
+    seqs.push_back({bi * x.q.stride(0), bi * x.k.stride(0), bi * q.size(1) * n, n, lens[b]});
+  }
+  return attention_fwd_common<Backend>(op, x, seqs, padded_layout(q), s, true, false);
+}
+
+}  // namespace rl_align

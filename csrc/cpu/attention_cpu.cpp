@@ -1,0 +1,30 @@
+// Torch binding of the attention ops' CPU kernels (attention_cpu_kernels.cpp).
+#include <torch/library.h>
+
+#include "../attention_host.h"
+#include "attention_cpu_kernels.h"
+
+namespace rl_align {
+namespace {
+
+struct CpuBackend {
+  static bool needs_aligned_operands(at::ScalarType, int64_t, const at::Tensor&) { return false; }
+  static void fwd(const char*, at::ScalarType dtype, const AttentionProblem& p, const at::Tensor&) {
+    attention_fwd_cpu(dtype, p);
+  }
+  static void bwd(const char*, at::ScalarType dtype, const AttentionGradProblem& p, const at::Tensor&) {
+    attention_bwd_cpu(dtype, p);
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
+  m.impl("attention", &attention_impl<CpuBackend>);
+  m.impl("attention_backward", &attention_backward_impl<CpuBackend>);
+  m.impl("attention_varlen", &attention_varlen_impl<CpuBackend>);
+  m.impl("attention_varlen_backward", &attention_varlen_backward_impl<CpuBackend>);
+  m.impl("attention_kvcache", &attention_kvcache_impl<CpuBackend>);
+}
+
+}  // namespace rl_align

@@ -1,0 +1,73 @@
+// Torch binding of the attention GPU kernels: path choice, device guard, current stream, dtype
+// mapping. The kernels live in attention_sm80.cu (forward), attention_sm80_bwd.cu (backward) and
+// attention_simt.cu (FMA kernels, path table).
+//
+// Path: chosen from (dtype, head_dim, device) only, so decode, chunked prefill and training
+// forwards of one model always share it: bf16/fp16 with head_dim 64 or 128 take sm80 on CUDA
+// GPUs >= 8.0; fp32 (true fp32, no TF32), other head dims and HIP take simt.
+// RL_ENGINE_EXT_ATTENTION_PATH=sm80|simt forces one (tests, benchmarks); forcing a path the
+// device cannot run is an error, never a silent fallback.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../attention_host.h"
+#include "attention_kernels.h"
+#include "launcher_util.h"
+
+namespace rl_align {
+namespace {
+
+const char* path_name(AttentionPath path) { return path == AttentionPath::kSm80 ? "sm80" : "simt"; }
+
+AttentionPath choose_path(const char* op, at::ScalarType dtype, int64_t head_dim, int device) {
+  const DType dt = kernel_dtype(dtype);
+  const int forced = forced_path_index(op, "RL_ENGINE_EXT_ATTENTION_PATH", {"sm80", "simt"});
+  if (forced >= 0) {
+    const AttentionPath path = forced == 0 ? AttentionPath::kSm80 : AttentionPath::kSimt;
+    TORCH_CHECK(attention_path_available(path, dt, head_dim, device), "rl_align::", op,
+                ": RL_ENGINE_EXT_ATTENTION_PATH=", path_name(path), " cannot run ",
+                dtype_name(dtype), " with head_dim ", head_dim, " on this device");
+    return path;
+  }
+  if (attention_path_available(AttentionPath::kSm80, dt, head_dim, device)) return AttentionPath::kSm80;
+  TORCH_CHECK_VALUE(attention_path_available(AttentionPath::kSimt, dt, head_dim, device), "rl_align::",
+                    op, ": head_dim ", head_dim, " is not supported on this device (simt path: 1..256)");
+  return AttentionPath::kSimt;
+}
+
+struct CudaBackend {
+  static bool needs_aligned_operands(at::ScalarType dtype, int64_t head_dim, const at::Tensor& t) {
+    return choose_path("attention", dtype, head_dim, t.get_device()) == AttentionPath::kSm80;
+  }
+  static void fwd(const char* op, at::ScalarType dtype, const AttentionProblem& p, const at::Tensor& t) {
+    const c10::cuda::CUDAGuard guard(t.device());
+    const AttentionPath path = choose_path(op, dtype, p.head_dim, t.get_device());
+    const gpuStream_t stream = at::cuda::getCurrentCUDAStream();
+    const gpuError_t err = path == AttentionPath::kSm80 ? attention_fwd_sm80(kernel_dtype(dtype), p, stream)
+                                                        : attention_fwd_simt(kernel_dtype(dtype), p, stream);
+    TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", path_name(path),
+                " attention forward launch failed: ", gpu_error_string(err));
+  }
+  static void bwd(const char* op, at::ScalarType dtype, const AttentionGradProblem& p, const at::Tensor& t) {
+    const c10::cuda::CUDAGuard guard(t.device());
+    const AttentionPath path = choose_path(op, dtype, p.fwd.head_dim, t.get_device());
+    const gpuStream_t stream = at::cuda::getCurrentCUDAStream();
+    const gpuError_t err = path == AttentionPath::kSm80 ? attention_bwd_sm80(kernel_dtype(dtype), p, stream)
+                                                        : attention_bwd_simt(kernel_dtype(dtype), p, stream);
+    TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", path_name(path),
+                " attention backward launch failed: ", gpu_error_string(err));
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_align, CUDA, m) {
+  m.impl("attention", &attention_impl<CudaBackend>);
+  m.impl("attention_backward", &attention_backward_impl<CudaBackend>);
+  m.impl("attention_varlen", &attention_varlen_impl<CudaBackend>);
+  m.impl("attention_varlen_backward", &attention_varlen_backward_impl<CudaBackend>);
+  m.impl("attention_kvcache", &attention_kvcache_impl<CudaBackend>);
+}
+
+}  // namespace rl_align

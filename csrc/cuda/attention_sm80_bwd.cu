@@ -1,0 +1,857 @@
+// Ampere-class (sm_80+) tensor-core attention backward: mma.sync m16n8k16 (fp32 accumulators),
+// ldmatrix fragments, cp.async rings. Runs on every CUDA GPU of compute capability >= 8.0 (the
+// H100 too); bf16 and fp16, head_dim 64 and 128. The arithmetic is the backward contract of
+// csrc/common/attention_problem.h; three kernels, launched in this order on one stream:
+//
+//   delta   delta_i = dot(dO_i, O_i) per (query, head): D / 8 lanes per row, each an fma chain
+//           over its 8 consecutive elements of d (increasing), then a butterfly over the lanes
+//           (lane distances 1, 2, 4, ...: a fixed tree, and every lane ends with the same bits).
+//   dK/dV   CTA = (sequence, kv head g, tile of BLOCK_N keys); warp w owns keys 16 w .. 16 w + 15
+//           of the tile and accumulates their dK and dV rows in registers. Outer loop: the group's
+//           query heads h = g G .. g G + G - 1, increasing; inner loop: blocks of BLOCK_M queries
+//           from the first that can see the tile (causal) to the last, increasing, each taken
+//           as sub-blocks of SUB_M queries. Per sub-block:
+//             S^T  = K Q^T                        (keys x queries, the warp's 16 keys)
+//             P^T  = ex2(S^T scale log2(e) - lse log2(e))     masked -> 0
+//             dV  += P^T dO                       (P rounded to the input dtype, mma A operand)
+//             dP^T = V dO^T
+//             dS^T = P^T (dP^T - delta)
+//             dK  += dS^T Q                       (dS rounded to the input dtype)
+//           and at the end dK *= scale; dK, dV rounded once to the input dtype.
+//   dQ      CTA = (sequence, query head h, tile of BLOCK_M queries); warp w owns queries
+//           16 w .. 16 w + 15. Key blocks of 64 keys 0, 1, 2, ... up to the tile's causal limit:
+//           S = Q K^T, P, dP = dO V^T, dS as above, dQ += dS K; at the end dQ *= scale, rounded
+//           once.
+// Working from the keys' side (dK/dV) and from the queries' side (dQ) recomputes S, P, dP and dS
+// twice, where FlashAttention-2 computes them once and accumulates dQ with atomicAdd: atomics
+// would make dQ's summation order depend on scheduling, which the contract forbids.
+//
+// Orders. Every gradient element is one fp32 accumulator register of one thread, for the whole
+// reduction: mma.sync adds a k16 chunk (16 queries for dK/dV, 16 keys for dQ) to it, chunks in
+// increasing order; dot products over d (S, dP) take the k16 chunks of d in increasing order from
+// a zero accumulator. P = ex2(fma(s, scale log2(e), -(lse log2(e)))) with ex2.approx.ftz; every
+// fp32 operation has an explicit rounding intrinsic, so the compiler cannot contract it
+// differently in different instantiations.
+//
+// Invariance. Query blocks (dK/dV) start at multiples of BLOCK_M and key tiles at multiples of
+// BLOCK_N in the sequence's own positions, key blocks (dQ) at multiples of 64: constants of the
+// kernels. An mma result for element (row, col) depends only on that row of A, that column of B
+// and its own accumulator, so the thread computing a gradient row, and everything else in the
+// batch, never changes its bits. Rows and keys past the sequence's q_len / kv_len are cp.async
+// zero fill (nothing is read from memory there) and masked; they are never written. Blocks that
+// hold no allowed (query, key) pair for a whole warp are skipped; one that holds some adds
+// P = 0 (selected, not computed) for the masked pairs, i.e. products +-0, which leave an fp32
+// accumulator's bits unchanged (x + 0 = x; +0 + -0 = +0; accumulators start at +0).
+#include "attention_kernels.h"
+#include "mma_sm80.h"
+
+#if !RL_ALIGN_HIP
+
+#include <atomic>
+
+namespace rl_align {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Tile configurations (the partition: chosen from head_dim only)
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;  // mma.sync.m16n8k16
+constexpr int kElemBytes = 2;                      // bf16 / fp16
+constexpr int kChunkElems = 16 / kElemBytes;       // 16 bytes (a cp.async, an ldmatrix row)
+// Shared-memory rows are padded by 16 bytes: the row pitch is then an odd number of 16-byte units,
+// so the 8 row addresses of one ldmatrix 8x8 matrix fall in 8 different 16-byte bank groups.
+constexpr int kPadElems = kChunkElems;
+constexpr int kKeyBlock = 64;  // keys per dQ pipeline stage
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int HEAD_DIM>
+constexpr int pitch_bytes() {
+  return (HEAD_DIM + kPadElems) * kElemBytes;
+}
+
+// delta: ROW_LANES lanes (one 16-byte chunk of O and dO each) per (query, head) row.
+template <int HEAD_DIM_>
+struct DeltaConfig {
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int THREADS = 256;
+  static constexpr int ROW_LANES = HEAD_DIM / kChunkElems;
+  static constexpr int ROWS = THREADS / ROW_LANES;  // query rows (of one head) per CTA
+  static_assert(kWarpSize % ROW_LANES == 0, "a row's lanes sit in one warp");
+};
+
+// dK/dV: WARPS warps of 16 keys (BLOCK_N = 16 WARPS keys per CTA, K and V resident in shared
+// memory), BLOCK_M queries per step, STAGES query blocks (Q, dO, lse, delta) in the cp.async ring.
+template <int HEAD_DIM_, int WARPS_, int BLOCK_M_, int SUB_M_, int STAGES_>
+struct DkvConfig {
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int WARPS = WARPS_;
+  static constexpr int BLOCK_M = BLOCK_M_;
+  // A block's queries are processed SUB_M at a time (S^T .. dK for the first SUB_M queries, then
+  // the next): the k16 query chunks still reach dV and dK in increasing order, so the arithmetic is
+  // that of one BLOCK_M step, with fewer S^T / dP^T registers live and one barrier per block.
+  static constexpr int SUB_M = SUB_M_;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int THREADS = WARPS * kWarpSize;
+  static constexpr int BLOCK_N = WARPS * kMmaM;
+  static constexpr int D_STEPS = HEAD_DIM / kMmaK;  // k16 chunks of a dot product over d
+  static constexpr int D_TILES = HEAD_DIM / kMmaN;  // n8 tiles of a gradient row
+  static constexpr int SUBS = BLOCK_M / SUB_M;
+  static constexpr int Q_TILES = SUB_M / kMmaN;     // n8 tiles of a sub-block's S^T (queries)
+  static constexpr int Q_STEPS = SUB_M / kMmaK;     // k16 query chunks of P^T dO, dS^T Q
+  static constexpr int PITCH_BYTES = pitch_bytes<HEAD_DIM>();
+  static constexpr int CHUNKS_PER_ROW = HEAD_DIM / kChunkElems;
+  static constexpr int ROWS_PER_COPY = THREADS / CHUNKS_PER_ROW;
+  static constexpr int KV_TILE_BYTES = BLOCK_N * PITCH_BYTES;
+  static constexpr int Q_TILE_BYTES = BLOCK_M * PITCH_BYTES;
+  // A stage: Q tile, dO tile, lse[BLOCK_M], delta[BLOCK_M] (fp32).
+  static constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES + 2 * BLOCK_M * 4;
+  static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES;
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim");
+  static_assert(PITCH_BYTES % 32 == 16, "odd pitch in 16-byte units: conflict-free ldmatrix");
+  static_assert(THREADS % CHUNKS_PER_ROW == 0 && BLOCK_N % ROWS_PER_COPY == 0 &&
+                    BLOCK_M % ROWS_PER_COPY == 0,
+                "copy sweeps");
+  static_assert(BLOCK_M % SUB_M == 0 && SUB_M % kMmaK == 0 && 2 * BLOCK_M <= THREADS,
+                "query block: sub-blocks of k16 chunks, lse copy");
+  static_assert(STAGES >= 2, "pipeline");
+};
+
+// dQ: WARPS warps of 16 queries (BLOCK_M = 16 WARPS queries per CTA, Q and dO resident in shared
+// memory), 64-key K/V blocks in a STAGES-deep cp.async ring.
+template <int HEAD_DIM_, int WARPS_, int STAGES_>
+struct DqConfig {
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int WARPS = WARPS_;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int THREADS = WARPS * kWarpSize;
+  static constexpr int BLOCK_M = WARPS * kMmaM;
+  static constexpr int D_STEPS = HEAD_DIM / kMmaK;
+  static constexpr int D_TILES = HEAD_DIM / kMmaN;
+  static constexpr int KEY_TILES = kKeyBlock / kMmaN;  // n8 tiles of S (keys)
+  static constexpr int KEY_STEPS = kKeyBlock / kMmaK;  // k16 key chunks of dS K
+  static constexpr int PITCH_BYTES = pitch_bytes<HEAD_DIM>();
+  static constexpr int CHUNKS_PER_ROW = HEAD_DIM / kChunkElems;
+  static constexpr int ROWS_PER_COPY = THREADS / CHUNKS_PER_ROW;
+  static constexpr int Q_TILE_BYTES = BLOCK_M * PITCH_BYTES;
+  static constexpr int KV_TILE_BYTES = kKeyBlock * PITCH_BYTES;
+  static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K, V
+  static constexpr int SMEM_BYTES = 2 * Q_TILE_BYTES + STAGES * STAGE_BYTES;
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim");
+  static_assert(PITCH_BYTES % 32 == 16, "odd pitch in 16-byte units: conflict-free ldmatrix");
+  static_assert(THREADS % CHUNKS_PER_ROW == 0 && kKeyBlock % ROWS_PER_COPY == 0 &&
+                    BLOCK_M % ROWS_PER_COPY == 0,
+                "copy sweeps");
+  static_assert(STAGES >= 2, "pipeline");
+};
+
+// 8 warps per CTA for both: 128 keys (dK/dV) or 128 queries (dQ) share every Q/dO (K/V) block
+// loaded, which halves the L2 traffic of 64-row tiles. The kernels are register-bound: at
+// head_dim 128, 128 fp32 dK + dV accumulators plus the S^T, dP^T fragments (dK/dV), or 64 dQ
+// accumulators plus S, dP and the hoisted Q, dO fragments (dQ), take 215-250 registers; so one
+// 8-warp CTA per SM (__launch_bounds__(THREADS, 1)), 137 KB of shared memory each, two ring
+// stages (the next block loads during a whole block of compute). Measured on the H100: 32-query
+// sub-blocks are the largest without spills on sm_80 (64 spills there); a third stage, 4-warp dQ
+// CTAs and 128-query dK/dV stages gain nothing.
+template <int D>
+using DkvCfg = DkvConfig<D, 8, 64, 32, 2>;
+template <int D>
+using DqCfg = DqConfig<D, 8, 2>;
+
+// Positions and rows (query x head in group) are int in the kernels, with room for a tile.
+constexpr int64_t kMaxLen = INT32_MAX - 1024;
+constexpr int64_t kMaxRows = INT32_MAX - 1024;
+
+#ifdef RL_ALIGN_SM80_DEVICE
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 4-byte global->shared copy (lse, delta rows are 4-byte aligned only) reading `src_bytes` (0 or
+// 4) bytes, zero fill otherwise.
+__device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack_rounded(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack_rounded<bfloat16_t>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack_rounded<half_t>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The m16n8 accumulators of n8 tiles 2 kc and 2 kc + 1, rounded to the input dtype, as the m16k16
+// A fragment of k16 chunk kc (PTX fragment order: a[1] rows + 8, a[2] columns + 8).
+template <typename T>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_rounded<T>(lo[0], lo[1]);
+  a[1] = pack_rounded<T>(lo[2], lo[3]);
+  a[2] = pack_rounded<T>(hi[0], hi[1]);
+  a[3] = pack_rounded<T>(hi[2], hi[3]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Shared -> registers: per-lane ldmatrix.x4 addresses (lane l feeds row l % 8 of matrix l / 8) in
+// a tile stored [row][d] with pitch PITCH_BYTES.
+// ------------------------------------------------------------------------------------------------
+// A operand, rows = m (no trans): matrix q = rows 8 (q & 1) + r, columns 8 (q >> 1): r[q] = a[q]
+//   of the m16 x k16 fragment at (row0, column 0).
+template <int PITCH_BYTES>
+__device__ __forceinline__ uint32_t a_lane_offset(int lane, int row0) {
+  const int r = lane % 8, q = lane / 8;
+  return (row0 + 8 * (q & 1) + r) * PITCH_BYTES + 8 * (q >> 1) * kElemBytes;
+}
+
+// B operand with rows = n (B[k][n] = tile[n][k], no trans): matrix q = rows 8 (q >> 1) + r,
+//   columns 8 (q & 1); lane holds row g, columns 2t, 2t + 1: r[0], r[1] = b[0], b[1] of n8 tile
+//   rows 0..7 and r[2], r[3] = b[0], b[1] of rows 8..15.
+template <int PITCH_BYTES>
+__device__ __forceinline__ uint32_t bn_lane_offset(int lane) {
+  const int r = lane % 8, q = lane / 8;
+  return (8 * (q >> 1) + r) * PITCH_BYTES + 8 * (q & 1) * kElemBytes;
+}
+
+// B operand with rows = k (B[k][n] = tile[k][n], trans): matrix q = rows 8 (q & 1) + r, columns
+//   8 (q >> 1); .trans gives rows 2t, 2t + 1 of column g: r[0], r[1] = b[0], b[1] of n8 tile
+//   columns 0..7 and r[2], r[3] of columns 8..15.
+template <int PITCH_BYTES>
+__device__ __forceinline__ uint32_t bk_lane_offset(int lane) {
+  const int r = lane % 8, q = lane / 8;
+  return (8 * (q & 1) + r) * PITCH_BYTES + 8 * (q >> 1) * kElemBytes;
+}
+
+// C (MMA_M x NT*8, fp32, zeroed first) = A B over D_STEPS k16 chunks of d, in increasing order: A
+// = the warp's 16 rows of a [row][d] tile, B^T = NT * 8 rows of a [row][d] tile (bn pattern).
+template <typename T, int D_STEPS, int NT, int PITCH_BYTES>
+__device__ __forceinline__ void gemm_rows_d(float (&c)[NT][4], uint32_t a_lane, uint32_t b_lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[nt][e] = 0.f;
+  }
+#pragma unroll
+  for (int ks = 0; ks < D_STEPS; ++ks) {
+    uint32_t a[4];
+    ldmatrix_x4<false>(a, a_lane + ks * kMmaK * kElemBytes);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4<false>(b, b_lane + np * 2 * kMmaN * PITCH_BYTES + ks * kMmaK * kElemBytes);
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      Mma<T>::run(c[2 * np], a, b0);
+      Mma<T>::run(c[2 * np + 1], a, b1);
+    }
+  }
+}
+
+// acc (16 x D_TILES*8) += A B: A = K_STEPS k16 chunks held in registers (increasing order), B =
+// K_STEPS * 16 rows of a [k][d] tile (bk pattern).
+template <typename T, int K_STEPS, int D_TILES, int PITCH_BYTES>
+__device__ __forceinline__ void gemm_acc_k(float (&acc)[D_TILES][4], const uint32_t (&a)[K_STEPS][4],
+                                           uint32_t b_lane) {
+#pragma unroll
+  for (int kc = 0; kc < K_STEPS; ++kc) {
+#pragma unroll
+    for (int dp = 0; dp < D_TILES / 2; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4<true>(b, b_lane + kc * kMmaK * PITCH_BYTES + dp * 2 * kMmaN * kElemBytes);
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      Mma<T>::run(acc[2 * dp], a[kc], b0);
+      Mma<T>::run(acc[2 * dp + 1], a[kc], b1);
+    }
+  }
+}
+
+#endif  // RL_ALIGN_SM80_DEVICE
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------
+
+// Grid: x = blocks of ROWS queries (grid-stride up to q_len), y = query head, z = sequences
+// (grid-stride).
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::THREADS) attention_bwd_delta_kernel(const AttentionGradProblem gp) {
+#ifdef RL_ALIGN_SM80_DEVICE
+  const AttentionProblem& p = gp.fwd;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int row = tid / Cfg::ROW_LANES, chunk = tid % Cfg::ROW_LANES;
+  const int64_t head = blockIdx.y;
+  const T* __restrict__ out = static_cast<const T*>(p.out);
+  const T* __restrict__ dout = static_cast<const T*>(gp.dout);
+  for (int64_t s = blockIdx.z; s < p.num_seqs; s += gridDim.z) {
+    const int64_t* fields = p.seqs + s * kAttentionSeqFields;
+    const int64_t q_len = fields[kSeqQLen];
+    const int64_t row_off = fields[kSeqQBase] + head * p.q_stride_head + chunk * kChunkElems;
+    // The loop condition is uniform per CTA, so every lane reaches the shuffles.
+    for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * Cfg::ROWS; i0 < q_len;
+         i0 += static_cast<int64_t>(gridDim.x) * Cfg::ROWS) {
+      const int64_t i = i0 + row;
+      float acc = 0.f;
+      if (i < q_len) {
+        const int64_t off = row_off + i * p.q_stride_token;
+        const uint4 o_bits = *reinterpret_cast<const uint4*>(out + off);
+        const uint4 do_bits = *reinterpret_cast<const uint4*>(dout + off);
+        const T* o = reinterpret_cast<const T*>(&o_bits);
+        const T* d = reinterpret_cast<const T*>(&do_bits);
+#pragma unroll
+        for (int e = 0; e < kChunkElems; ++e) {
+          acc = __fmaf_rn(Convert<T>::to_float(d[e]), Convert<T>::to_float(o[e]), acc);
+        }
+      }
+#pragma unroll
+      for (int m = 1; m < Cfg::ROW_LANES; m *= 2) acc = __fadd_rn(acc, shfl_xor(acc, m, Cfg::ROW_LANES));
+      if (i < q_len && chunk == 0) gp.delta[fields[kSeqLseBase] + head * p.lse_stride_head + i] = acc;
+    }
+  }
+#endif  // RL_ALIGN_SM80_DEVICE
+}
+
+// Grid: x = kv head, y = sequences (grid-stride), z = key tiles (grid-stride up to kv_len). z is
+// the slowest launch order: the tiles 0 of every (sequence, kv head), which see the most queries
+// when causal, start first and the lightest tiles fill the last wave (longest job first), instead
+// of a late heavy tile setting the kernel's tail.
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::THREADS, 1)
+    attention_bwd_dkdv_sm80_kernel(const AttentionGradProblem gp, int group, float scale_log2) {
+#ifdef RL_ALIGN_SM80_DEVICE
+  constexpr int PITCH = Cfg::PITCH_BYTES, STAGES = Cfg::STAGES, BLOCK_M = Cfg::BLOCK_M;
+  constexpr int SUB_M = Cfg::SUB_M;
+  constexpr int QT = Cfg::Q_TILES, QS = Cfg::Q_STEPS, DT = Cfg::D_TILES, RPC = Cfg::ROWS_PER_COPY;
+  const AttentionProblem& p = gp.fwd;
+
+  extern __shared__ __align__(16) uint8_t dkdv_smem[];
+  const uint32_t k_smem = smem_u32(dkdv_smem);
+  const uint32_t v_smem = k_smem + Cfg::KV_TILE_BYTES;
+  const uint32_t ring = v_smem + Cfg::KV_TILE_BYTES;
+  const uint8_t* ring_ptr = dkdv_smem + 2 * Cfg::KV_TILE_BYTES;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
+  const int kv_head = static_cast<int>(blockIdx.x);
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ k = static_cast<const T*>(p.k);
+  const T* __restrict__ v = static_cast<const T*>(p.v);
+  const T* __restrict__ dout = static_cast<const T*>(gp.dout);
+  T* __restrict__ dk = static_cast<T*>(gp.dk);
+  T* __restrict__ dv = static_cast<T*>(gp.dv);
+
+  // K, V: A operands of the warp's 16 keys; Q, dO: B operands, rows = queries (bn pattern, for
+  // S^T and dP^T) and rows = k (bk pattern, for dV and dK).
+  const uint32_t k_lane = k_smem + a_lane_offset<PITCH>(lane, warp * kMmaM);
+  const uint32_t v_lane = v_smem + a_lane_offset<PITCH>(lane, warp * kMmaM);
+  const uint32_t q_bn_lane = ring + bn_lane_offset<PITCH>(lane);
+  const uint32_t q_bk_lane = ring + bk_lane_offset<PITCH>(lane);
+  // This thread's copy slot: rows copy_row + RPC c, 16-byte chunk copy_chunk.
+  const int copy_row = tid / Cfg::CHUNKS_PER_ROW, copy_chunk = tid % Cfg::CHUNKS_PER_ROW;
+
+  for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
+    const int64_t* fields = p.seqs + s * kAttentionSeqFields;
+    const int64_t q_base = fields[kSeqQBase], kv_base = fields[kSeqKvBase], lse_base = fields[kSeqLseBase];
+    const int q_len = static_cast<int>(fields[kSeqQLen]);
+    const int kv_len = static_cast<int>(fields[kSeqKvLen]);
+    if (q_len <= 0) continue;
+    const int first_pos = kv_len - q_len;  // position of query 0 (0 in training: q_len = kv_len)
+    const int key_tiles = (kv_len + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N;
+    const int64_t kv_off = kv_base + static_cast<int64_t>(kv_head) * p.kv_stride_head;
+
+    for (int tile = static_cast<int>(blockIdx.z); tile < key_tiles; tile += static_cast<int>(gridDim.z)) {
+      const int key0 = tile * Cfg::BLOCK_N;
+      // First query block holding a query at or after the tile's first key (every block when not
+      // causal); key0 < kv_len, so it is a block of the sequence.
+      const int first_qb = p.causal && key0 > first_pos ? (key0 - first_pos) / BLOCK_M : 0;
+      const int q_blocks = (q_len + BLOCK_M - 1) / BLOCK_M - first_qb;
+      const int iters = group * q_blocks;  // (head, query block) pairs, head-major
+
+      auto load_kv = [&]() {
+        const int64_t copy_step = RPC * p.kv_stride_token;
+        const int64_t off0 = kv_off + static_cast<int64_t>(key0 + copy_row) * p.kv_stride_token +
+                             copy_chunk * kChunkElems;
+        const T* k_src = k + off0;
+        const T* v_src = v + off0;
+        uint32_t dst = k_smem + copy_row * PITCH + copy_chunk * 16;
+        int key = key0 + copy_row;
+#pragma unroll
+        for (int c = 0; c < Cfg::BLOCK_N / RPC; ++c) {
+          const bool in_range = key < kv_len;
+          cp_async_16_zfill(dst, in_range ? k_src : k, in_range ? 16 : 0);
+          cp_async_16_zfill(dst + Cfg::KV_TILE_BYTES, in_range ? v_src : v, in_range ? 16 : 0);
+          dst += RPC * PITCH;
+          key += RPC;
+          k_src += copy_step;
+          v_src += copy_step;
+        }
+      };
+      // Iteration it: head g G + it / q_blocks, query block first_qb + it % q_blocks.
+      auto load_q_block = [&](int stage, int it) {
+        const int head = kv_head * group + it / q_blocks;
+        const int qstart = (first_qb + it % q_blocks) * BLOCK_M;
+        const uint32_t stage_base = ring + stage * Cfg::STAGE_BYTES;
+        const int64_t head_off = q_base + static_cast<int64_t>(head) * p.q_stride_head;
+        const int64_t copy_step = RPC * p.q_stride_token;
+        const int64_t off0 = head_off + static_cast<int64_t>(qstart + copy_row) * p.q_stride_token +
+                             copy_chunk * kChunkElems;
+        const T* q_src = q + off0;
+        const T* do_src = dout + off0;
+        uint32_t dst = stage_base + copy_row * PITCH + copy_chunk * 16;
+        int query = qstart + copy_row;
+#pragma unroll
+        for (int c = 0; c < BLOCK_M / RPC; ++c) {
+          const bool in_range = query < q_len;
+          cp_async_16_zfill(dst, in_range ? q_src : q, in_range ? 16 : 0);
+          cp_async_16_zfill(dst + Cfg::Q_TILE_BYTES, in_range ? do_src : dout, in_range ? 16 : 0);
+          dst += RPC * PITCH;
+          query += RPC;
+          q_src += copy_step;
+          do_src += copy_step;
+        }
+        // lse (threads 0 .. BLOCK_M-1) and delta (BLOCK_M .. 2 BLOCK_M-1) of the block's queries.
+        if (tid < 2 * BLOCK_M) {
+          const int i = qstart + tid % BLOCK_M;
+          const float* src = tid < BLOCK_M ? p.lse : gp.delta;
+          const bool in_range = i < q_len;
+          cp_async_4_zfill(stage_base + 2 * Cfg::Q_TILE_BYTES + tid * 4,
+                           in_range ? src + lse_base + static_cast<int64_t>(head) * p.lse_stride_head + i : src,
+                           in_range ? 4 : 0);
+        }
+      };
+
+      // Prologue: K, V with query block 0 (group 0), then blocks 1 .. STAGES-2 (one group each,
+      // empty past the end, so that group it always holds iteration it).
+      load_kv();
+      load_q_block(0, 0);
+      cp_async_commit();
+#pragma unroll
+      for (int it = 1; it < STAGES - 1; ++it) {
+        if (it < iters) load_q_block(it, it);
+        cp_async_commit();
+      }
+
+      // This thread's keys: warp_key0 + g + 8 hh (rows hh = 0, 1 of the C fragments).
+      const int warp_key0 = key0 + warp * kMmaM;
+      const bool warp_has_keys = warp_key0 < kv_len;
+      float dk_acc[DT][4], dv_acc[DT][4];
+#pragma unroll
+      for (int dn = 0; dn < DT; ++dn) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[dn][e] = dv_acc[dn][e] = 0.f;
+      }
+
+      int stage = 0;
+      for (int it = 0; it < iters; ++it) {
+        // Groups committed: STAGES - 1 + it; iteration it is group it, complete once at most
+        // STAGES - 2 are pending. The barrier publishes every thread's copies and tells that all
+        // warps finished iteration it - 1, whose stage the next copy overwrites.
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+          const int next = it + STAGES - 1;
+          if (next < iters) load_q_block(next % STAGES, next);
+          cp_async_commit();
+        }
+        const uint32_t stage_off = stage * Cfg::STAGE_BYTES;
+        const float* lse_s = reinterpret_cast<const float*>(ring_ptr + stage_off + 2 * Cfg::Q_TILE_BYTES);
+        const float* delta_s = lse_s + BLOCK_M;
+#pragma unroll 1
+        for (int sb = 0; sb < Cfg::SUBS; ++sb) {
+          const int qstart = (first_qb + it % q_blocks) * BLOCK_M + sb * SUB_M;
+          // A warp whose keys all come after the sub-block's last query (causal), or lie past
+          // kv_len (never stored), would only add exact zeros / unused values: skip it.
+          if (!warp_has_keys || (p.causal && warp_key0 > first_pos + qstart + SUB_M - 1)) continue;
+          const uint32_t q_off = stage_off + sb * SUB_M * PITCH;  // the sub-block's Q rows
+          const uint32_t do_off = q_off + Cfg::Q_TILE_BYTES;
+          const float* lse_sub = lse_s + sb * SUB_M;
+          const float* delta_sub = delta_s + sb * SUB_M;
+
+          // S^T = K Q^T (keys x queries).
+          float pt[QT][4];
+          gemm_rows_d<T, Cfg::D_STEPS, QT, PITCH>(pt, k_lane, q_bn_lane + q_off);
+          // P^T = 2^(s scale log2(e) - lse log2(e)); element (nt, e): key row hh = e / 2, query
+          // qstart + 8 nt + 2 t + e % 2.
+#pragma unroll
+          for (int nt = 0; nt < QT; ++nt) {
+            const float2 lse2 = *reinterpret_cast<const float2*>(lse_sub + nt * kMmaN + 2 * t);
+            const float l0 = __fmul_rn(lse2.x, kLog2e), l1 = __fmul_rn(lse2.y, kLog2e);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pt[nt][e] = ex2(__fmaf_rn(pt[nt][e], scale_log2, -(e % 2 ? l1 : l0)));
+          }
+          // Masking, where some pair of the warp's sub-block may be masked (queries past q_len,
+          // or causal with the warp's last key after the first query): query column
+          // c = 8 nt + e % 2 (relative to qstart + 2t) is allowed for key row hh iff
+          // lo[hh] <= c <= hi.
+          if (qstart + SUB_M > q_len || (p.causal && warp_key0 + kMmaM - 1 > first_pos + qstart)) {
+            const int hi = q_len - 1 - qstart - 2 * t;
+            int lo[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              lo[hh] = p.causal ? warp_key0 + g + 8 * hh - first_pos - qstart - 2 * t : -SUB_M;
+            }
+#pragma unroll
+            for (int nt = 0; nt < QT; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int c = nt * kMmaN + e % 2;
+                if (c > hi || c < lo[e / 2]) pt[nt][e] = 0.f;
+              }
+            }
+          }
+          // dV += P^T dO over the sub-block's k16 query chunks, increasing.
+          {
+            uint32_t pa[QS][4];
+#pragma unroll
+            for (int kc = 0; kc < QS; ++kc) c_to_a<T>(pa[kc], pt[2 * kc], pt[2 * kc + 1]);
+            gemm_acc_k<T, QS, DT, PITCH>(dv_acc, pa, q_bk_lane + do_off);
+          }
+          // dP^T = V dO^T; dS^T = P^T (dP^T - delta).
+          float dst[QT][4];
+          gemm_rows_d<T, Cfg::D_STEPS, QT, PITCH>(dst, v_lane, q_bn_lane + do_off);
+#pragma unroll
+          for (int nt = 0; nt < QT; ++nt) {
+            const float2 delta2 = *reinterpret_cast<const float2*>(delta_sub + nt * kMmaN + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              dst[nt][e] = __fmul_rn(pt[nt][e], __fsub_rn(dst[nt][e], e % 2 ? delta2.y : delta2.x));
+            }
+          }
+          // dK += dS^T Q over the sub-block's k16 query chunks, increasing.
+          {
+            uint32_t dsa[QS][4];
+#pragma unroll
+            for (int kc = 0; kc < QS; ++kc) c_to_a<T>(dsa[kc], dst[2 * kc], dst[2 * kc + 1]);
+            gemm_acc_k<T, QS, DT, PITCH>(dk_acc, dsa, q_bk_lane + q_off);
+          }
+        }
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+      }
+      cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
+
+      // Epilogue: keys below kv_len; dK = scale * acc and dV rounded once.
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int key = warp_key0 + g + 8 * hh;
+        if (key >= kv_len) continue;
+        const int64_t off = kv_off + static_cast<int64_t>(key) * p.kv_stride_token + 2 * t;
+#pragma unroll
+        for (int dn = 0; dn < DT; ++dn) {
+          *reinterpret_cast<uint32_t*>(dk + off + dn * kMmaN) = pack_rounded<T>(
+              __fmul_rn(dk_acc[dn][2 * hh], p.scale), __fmul_rn(dk_acc[dn][2 * hh + 1], p.scale));
+          *reinterpret_cast<uint32_t*>(dv + off + dn * kMmaN) =
+              pack_rounded<T>(dv_acc[dn][2 * hh], dv_acc[dn][2 * hh + 1]);
+        }
+      }
+      __syncthreads();  // every warp is done with K, V and the ring before the next tile's copies
+    }
+  }
+#endif  // RL_ALIGN_SM80_DEVICE
+}
+
+// Grid: x = query head, y = sequences (grid-stride), z = query tiles counted from the last
+// (grid-stride up to q_len): the last tiles, which see the most keys when causal, start first.
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::THREADS, 1)
+    attention_bwd_dq_sm80_kernel(const AttentionGradProblem gp, int group, float scale_log2) {
+#ifdef RL_ALIGN_SM80_DEVICE
+  constexpr int PITCH = Cfg::PITCH_BYTES, STAGES = Cfg::STAGES, BLOCK_M = Cfg::BLOCK_M;
+  constexpr int KT = Cfg::KEY_TILES, KS = Cfg::KEY_STEPS, DT = Cfg::D_TILES, RPC = Cfg::ROWS_PER_COPY;
+  const AttentionProblem& p = gp.fwd;
+
+  extern __shared__ __align__(16) uint8_t dq_smem[];
+  const uint32_t q_smem = smem_u32(dq_smem);
+  const uint32_t do_smem = q_smem + Cfg::Q_TILE_BYTES;
+  const uint32_t kv_ring = do_smem + Cfg::Q_TILE_BYTES;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int head = static_cast<int>(blockIdx.x);
+  const int64_t kv_head = head / group;
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ k = static_cast<const T*>(p.k);
+  const T* __restrict__ v = static_cast<const T*>(p.v);
+  const T* __restrict__ dout = static_cast<const T*>(gp.dout);
+  T* __restrict__ dq = static_cast<T*>(gp.dq);
+
+  // Q, dO: A operands of the warp's 16 queries; K, V: B operands, rows = keys (bn pattern, for S
+  // and dP); K again with rows = k (bk pattern, for dS K).
+  const uint32_t q_lane = q_smem + a_lane_offset<PITCH>(lane, warp * kMmaM);
+  const uint32_t do_lane = do_smem + a_lane_offset<PITCH>(lane, warp * kMmaM);
+  const uint32_t k_bn_lane = kv_ring + bn_lane_offset<PITCH>(lane);
+  const uint32_t k_bk_lane = kv_ring + bk_lane_offset<PITCH>(lane);
+  const int copy_row = tid / Cfg::CHUNKS_PER_ROW, copy_chunk = tid % Cfg::CHUNKS_PER_ROW;
+
+  for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
+    const int64_t* fields = p.seqs + s * kAttentionSeqFields;
+    const int64_t q_base = fields[kSeqQBase], kv_base = fields[kSeqKvBase], lse_base = fields[kSeqLseBase];
+    const int q_len = static_cast<int>(fields[kSeqQLen]);
+    const int kv_len = static_cast<int>(fields[kSeqKvLen]);
+    if (q_len <= 0) continue;
+    const int first_pos = kv_len - q_len;
+    const int tiles = (q_len + BLOCK_M - 1) / BLOCK_M;
+    const int64_t q_off = q_base + static_cast<int64_t>(head) * p.q_stride_head;
+    const int64_t kv_off = kv_base + kv_head * p.kv_stride_head;
+
+    for (int visit = static_cast<int>(blockIdx.z); visit < tiles; visit += static_cast<int>(gridDim.z)) {
+      const int qstart = (tiles - 1 - visit) * BLOCK_M;
+      const int cta_last_row = (qstart + BLOCK_M < q_len ? qstart + BLOCK_M : q_len) - 1;
+      const int num_blocks = p.causal ? (first_pos + cta_last_row) / kKeyBlock + 1
+                                      : (kv_len + kKeyBlock - 1) / kKeyBlock;
+
+      auto load_q = [&]() {
+        const int64_t copy_step = RPC * p.q_stride_token;
+        const int64_t off0 = q_off + static_cast<int64_t>(qstart + copy_row) * p.q_stride_token +
+                             copy_chunk * kChunkElems;
+        const T* q_src = q + off0;
+        const T* do_src = dout + off0;
+        uint32_t dst = q_smem + copy_row * PITCH + copy_chunk * 16;
+        int query = qstart + copy_row;
+#pragma unroll
+        for (int c = 0; c < BLOCK_M / RPC; ++c) {
+          const bool in_range = query < q_len;
+          cp_async_16_zfill(dst, in_range ? q_src : q, in_range ? 16 : 0);
+          cp_async_16_zfill(dst + Cfg::Q_TILE_BYTES, in_range ? do_src : dout, in_range ? 16 : 0);
+          dst += RPC * PITCH;
+          query += RPC;
+          q_src += copy_step;
+          do_src += copy_step;
+        }
+      };
+      auto load_kv = [&](int stage, int block) {
+        const int64_t copy_step = RPC * p.kv_stride_token;
+        const int64_t off0 = kv_off + static_cast<int64_t>(block * kKeyBlock + copy_row) * p.kv_stride_token +
+                             copy_chunk * kChunkElems;
+        const T* k_src = k + off0;
+        const T* v_src = v + off0;
+        uint32_t dst = kv_ring + stage * Cfg::STAGE_BYTES + copy_row * PITCH + copy_chunk * 16;
+        int key = block * kKeyBlock + copy_row;
+#pragma unroll
+        for (int c = 0; c < kKeyBlock / RPC; ++c) {
+          const bool in_range = key < kv_len;
+          cp_async_16_zfill(dst, in_range ? k_src : k, in_range ? 16 : 0);
+          cp_async_16_zfill(dst + Cfg::KV_TILE_BYTES, in_range ? v_src : v, in_range ? 16 : 0);
+          dst += RPC * PITCH;
+          key += RPC;
+          k_src += copy_step;
+          v_src += copy_step;
+        }
+      };
+
+      // Prologue: Q, dO with key block 0 (group 0), then blocks 1 .. STAGES-2.
+      load_q();
+      load_kv(0, 0);
+      cp_async_commit();
+#pragma unroll
+      for (int b = 1; b < STAGES - 1; ++b) {
+        if (b < num_blocks) load_kv(b, b);
+        cp_async_commit();
+      }
+
+      // This thread's rows: queries warp_row0 + g + 8 hh.
+      const int warp_row0 = qstart + warp * kMmaM;
+      const bool warp_active = warp_row0 < q_len;
+      const int warp_last_row = (warp_row0 + kMmaM < q_len ? warp_row0 + kMmaM : q_len) - 1;
+      float lse_l2[2], delta_r[2];
+      int last_key[2];  // the row's last allowed key
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = warp_row0 + g + 8 * hh;
+        const int64_t off = lse_base + static_cast<int64_t>(head) * p.lse_stride_head + i;
+        lse_l2[hh] = i < q_len ? __fmul_rn(p.lse[off], kLog2e) : 0.f;
+        delta_r[hh] = i < q_len ? gp.delta[off] : 0.f;
+        last_key[hh] = p.causal && first_pos + i < kv_len ? first_pos + i : kv_len - 1;
+      }
+      float dq_acc[DT][4];
+#pragma unroll
+      for (int dn = 0; dn < DT; ++dn) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq_acc[dn][e] = 0.f;
+      }
+
+      int stage = 0;
+      for (int b = 0; b < num_blocks; ++b) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+          const int next = b + STAGES - 1;
+          if (next < num_blocks) load_kv(next % STAGES, next);
+          cp_async_commit();
+        }
+        const int key0 = b * kKeyBlock;
+        // A warp whose queries all precede the block (causal) would only add exact zeros.
+        if (warp_active && !(p.causal && key0 > first_pos + warp_last_row)) {
+          const uint32_t stage_off = stage * Cfg::STAGE_BYTES;
+          // S = Q K^T (queries x keys); P = 2^(s scale log2(e) - lse log2(e)).
+          float sp[KT][4];
+          gemm_rows_d<T, Cfg::D_STEPS, KT, PITCH>(sp, q_lane, k_bn_lane + stage_off);
+#pragma unroll
+          for (int nt = 0; nt < KT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sp[nt][e] = ex2(__fmaf_rn(sp[nt][e], scale_log2, -lse_l2[e / 2]));
+          }
+          // Masking, where some key of the block is past kv_len or (causal) past the warp's first
+          // query: key column c = 8 nt + e % 2 (relative to key0 + 2t) is allowed for row hh iff
+          // c <= last_key[hh] - key0 - 2t.
+          if (key0 + kKeyBlock > kv_len || (p.causal && key0 + kKeyBlock - 1 > first_pos + warp_row0)) {
+            int limit[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) limit[hh] = last_key[hh] - key0 - 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < KT; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                if (nt * kMmaN + e % 2 > limit[e / 2]) sp[nt][e] = 0.f;
+              }
+            }
+          }
+          // dP = dO V^T; dS = P (dP - delta).
+          float ds[KT][4];
+          gemm_rows_d<T, Cfg::D_STEPS, KT, PITCH>(ds, do_lane, k_bn_lane + stage_off + Cfg::KV_TILE_BYTES);
+#pragma unroll
+          for (int nt = 0; nt < KT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[nt][e] = __fmul_rn(sp[nt][e], __fsub_rn(ds[nt][e], delta_r[e / 2]));
+          }
+          // dQ += dS K over the block's k16 key chunks, increasing.
+          uint32_t dsa[KS][4];
+#pragma unroll
+          for (int kc = 0; kc < KS; ++kc) c_to_a<T>(dsa[kc], ds[2 * kc], ds[2 * kc + 1]);
+          gemm_acc_k<T, KS, DT, PITCH>(dq_acc, dsa, k_bk_lane + stage_off);
+        }
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+      }
+      cp_async_wait<0>();
+
+      // Epilogue: queries below q_len; dQ = scale * acc rounded once.
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = warp_row0 + g + 8 * hh;
+        if (i >= q_len) continue;
+        T* dq_row = dq + q_off + static_cast<int64_t>(i) * p.q_stride_token + 2 * t;
+#pragma unroll
+        for (int dn = 0; dn < DT; ++dn) {
+          *reinterpret_cast<uint32_t*>(dq_row + dn * kMmaN) = pack_rounded<T>(
+              __fmul_rn(dq_acc[dn][2 * hh], p.scale), __fmul_rn(dq_acc[dn][2 * hh + 1], p.scale));
+        }
+      }
+      __syncthreads();  // every warp is done with Q, dO and the ring before the next tile's copies
+    }
+  }
+#endif  // RL_ALIGN_SM80_DEVICE
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------------
+
+// Raises a kernel's dynamic shared-memory limit once per device (bit d of `raised`).
+template <typename Kernel>
+gpuError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& raised) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  const int device = current_device();
+  const uint64_t bit = device >= 0 && device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (raised.load(std::memory_order_relaxed) & bit) != 0) return cudaSuccess;
+  const gpuError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) raised.fetch_or(bit, std::memory_order_relaxed);
+  return err;
+}
+
+unsigned grid_dim(int64_t n, int64_t cap) { return static_cast<unsigned>(n < cap ? n : cap); }
+
+template <typename T, int D>
+gpuError_t launch_bwd(const AttentionGradProblem& gp, gpuStream_t stream) {
+  using Delta = DeltaConfig<D>;
+  using Dkv = DkvCfg<D>;
+  using Dq = DqCfg<D>;
+  const AttentionProblem& p = gp.fwd;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const unsigned seq_grid = grid_dim(p.num_seqs, 65535);
+  // scale * log2(e), rounded once: exp(scale s - lse) = 2^(s scale log2(e) - lse log2(e)).
+  const float scale_log2 = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
+
+  const dim3 delta_grid(grid_dim(ceil_div(p.max_q_len, Delta::ROWS), INT32_MAX),
+                        static_cast<unsigned>(p.heads_q), seq_grid);
+  attention_bwd_delta_kernel<T, Delta><<<delta_grid, Delta::THREADS, 0, stream>>>(gp);
+  gpuError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  auto dkdv = attention_bwd_dkdv_sm80_kernel<T, Dkv>;
+  static std::atomic<uint64_t> dkdv_raised{0};
+  err = allow_smem(dkdv, Dkv::SMEM_BYTES, dkdv_raised);
+  if (err != cudaSuccess) return err;
+  const dim3 dkdv_grid(static_cast<unsigned>(p.heads_kv), seq_grid,
+                       grid_dim(ceil_div(p.max_kv_len, Dkv::BLOCK_N), 65535));
+  dkdv<<<dkdv_grid, Dkv::THREADS, Dkv::SMEM_BYTES, stream>>>(gp, static_cast<int>(group), scale_log2);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  auto dq = attention_bwd_dq_sm80_kernel<T, Dq>;
+  static std::atomic<uint64_t> dq_raised{0};
+  err = allow_smem(dq, Dq::SMEM_BYTES, dq_raised);
+  if (err != cudaSuccess) return err;
+  const dim3 dq_grid(static_cast<unsigned>(p.heads_q), seq_grid,
+                     grid_dim(ceil_div(p.max_q_len, Dq::BLOCK_M), 65535));
+  dq<<<dq_grid, Dq::THREADS, Dq::SMEM_BYTES, stream>>>(gp, static_cast<int>(group), scale_log2);
+  return cudaGetLastError();
+}
+
+template <typename T>
+gpuError_t dispatch_head_dim(const AttentionGradProblem& gp, gpuStream_t stream) {
+  if (gp.fwd.head_dim == 64) return launch_bwd<T, 64>(gp, stream);
+  return launch_bwd<T, 128>(gp, stream);
+}
+
+bool aligned16(const void* ptr) { return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+// Operands are read and written in 16-byte (q, k, v, out, dout) and 4-byte (dq, dk, dv) pieces:
+// all of them must be 16-byte aligned and every token/head stride (and each sequence's q_base,
+// kv_base) a multiple of 8 elements, as the launcher guarantees (attention_operand). Positions are
+// 32-bit: lengths up to kMaxLen, max_q_len * G up to kMaxRows.
+gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& gp, gpuStream_t stream) {
+  const AttentionProblem& p = gp.fwd;
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return cudaErrorNotSupported;
+  if (p.head_dim != 64 && p.head_dim != 128) return cudaErrorNotSupported;
+  if (p.num_seqs < 0 || p.max_q_len < 0 || p.max_kv_len < 0) return cudaErrorInvalidValue;
+  if (p.num_seqs == 0 || p.max_q_len == 0) return cudaSuccess;  // no query rows anywhere
+  if (p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return cudaErrorInvalidValue;
+  if (p.heads_q > 65535 || p.max_kv_len < p.max_q_len || p.max_kv_len > kMaxLen ||
+      p.max_q_len * (p.heads_q / p.heads_kv) > kMaxRows) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.seqs == nullptr || p.lse == nullptr || gp.delta == nullptr) return cudaErrorInvalidValue;
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.out) ||
+      !aligned16(gp.dout) || !aligned16(gp.dq) || !aligned16(gp.dk) || !aligned16(gp.dv)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.q_stride_token % kChunkElems != 0 || p.q_stride_head % kChunkElems != 0 ||
+      p.kv_stride_token % kChunkElems != 0 || p.kv_stride_head % kChunkElems != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (dtype == DType::kBFloat16) return dispatch_head_dim<bfloat16_t>(gp, stream);
+  return dispatch_head_dim<half_t>(gp, stream);
+}
+
+}  // namespace rl_align
+
+#else  // RL_ALIGN_HIP
+
+namespace rl_align {
+gpuError_t attention_bwd_sm80(DType, const AttentionGradProblem&, gpuStream_t) {
+  return RL_GPU(ErrorNotSupported);
+}
+}  // namespace rl_align
+
+#endif  // RL_ALIGN_HIP

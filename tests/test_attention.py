@@ -1,0 +1,425 @@
+"""attention: invariance (Axis-A) across batch, padding, packing, chunked prefill and KV-cache
+decode, forward and gradients; accuracy (Axis-B); every GPU path; registration, bad input, odd
+and empty shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rl_engine_ext
+from rl_engine_ext import contract, testing
+from rl_engine_ext.ops import attention as attn
+
+from conftest import make_generator, randn
+
+OPS = ("attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_kvcache")
+
+
+def _config(device: str, dtype: torch.dtype):
+    """(Hq, Hkv, D, sequence lengths) per device: lengths on both sides of the 64-key block and
+    of the kernels' query tiles; the GPU runs Qwen3-8B's 32/8 heads and head_dim 128."""
+    if device == "cuda":
+        return 32, 8, 128, [1, 2, 17, 63, 64, 65, 127, 129, 200, 300]
+    return 4, 2, 64, [1, 2, 17, 63, 64, 65, 100]
+
+
+def _sequences(lengths, hq, hkv, d, dtype, device, seed=0):
+    """Per sequence (q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, D], dout [L, Hq, D])."""
+    out = []
+    for i, n in enumerate(lengths):
+        s = seed + 10 * i
+        out.append(tuple(randn(n, h, d, dtype=dtype, device=device, seed=s + j) for j, h in enumerate((hq, hkv, hkv, hq))))
+    return out
+
+
+def _packed(seqs, device):
+    cu = [0]
+    for q, *_ in seqs:
+        cu.append(cu[-1] + q.shape[0])
+    cat = [torch.cat([s[j] for s in seqs]) for j in range(4)]
+    return cat, torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def _padded(seqs, s_max, left: bool):
+    """[B, H, S, D] tensors (padding rows random, never zeros) and the [B, S] mask."""
+    b = len(seqs)
+    gen = make_generator(123)
+    tensors, mask = [], torch.zeros(b, s_max, dtype=torch.bool)
+    for j in range(4):
+        ref = seqs[0][j]
+        t = torch.randn(b, s_max, ref.shape[1], ref.shape[2], generator=gen).to(ref.dtype)
+        if j == 3:
+            t.zero_()  # padding rows get a zero cotangent
+        t = t.to(ref.device)
+        for i, s in enumerate(seqs):
+            n = s[0].shape[0]
+            first = s_max - n if left else 0
+            t[i, first : first + n] = s[j]
+            mask[i, first : first + n] = True
+        tensors.append(t.transpose(1, 2))  # [B, H, S, D]: a strided view, as HF hands it over
+    return tensors, mask.to(seqs[0][0].device)
+
+
+def _run_varlen(q, k, v, dout, cu, causal=True, grad=True):
+    q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
+    out, lse = rl_engine_ext.attention_varlen(q, k, v, cu, causal=causal, return_lse=True)
+    if not grad:
+        return out, lse, None
+    out.backward(dout)
+    return out, lse, (q.grad, k.grad, v.grad)
+
+
+def _alone(seqs, causal=True, grad=True):
+    """Each sequence in a batch of its own: the expected bits."""
+    res = []
+    for q, k, v, dout in seqs:
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        res.append(_run_varlen(q, k, v, dout, cu, causal, grad))
+    return res
+
+
+def _assert_equal(got, want, what):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not torch.equal(got, want):
+        diff = (got.float() - want.float()).abs()
+        raise AssertionError(f"{what}: not bitwise equal (max diff {diff.max().item():.3g}, {int((diff > 0).sum())} elements)")
+
+
+def test_native_kernels_registered():
+    assert rl_engine_ext.NATIVE_AVAILABLE, rl_engine_ext.NATIVE_UNAVAILABLE_REASON
+    for op in OPS:
+        assert rl_engine_ext.has_native_kernel(op, "cpu")
+        if torch.cuda.is_available():
+            assert rl_engine_ext.has_native_kernel(op, "cuda")
+
+
+# ------------------------------------------------------------------------------------------
+# Axis-A: packing, padding, batch of 1 (forward and gradients)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_packed_and_padded_equal_alone(device, dtype, causal):
+    hq, hkv, d, lengths = _config(device, dtype)
+    seqs = _sequences(lengths, hq, hkv, d, dtype, device)
+    alone = _alone(seqs, causal)
+
+    (q, k, v, dout), cu = _packed(seqs, device)
+    out, lse, grads = _run_varlen(q, k, v, dout, cu, causal)
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        a_out, a_lse, a_grads = alone[i]
+        _assert_equal(out[start:end], a_out, f"packed out, seq {i}")
+        _assert_equal(lse[:, start:end], a_lse, f"packed lse, seq {i}")
+        for name, g, a in zip("qkv", grads, a_grads):
+            _assert_equal(g[start:end], a, f"packed d{name}, seq {i}")
+
+    s_max = max(lengths) + 3
+    for left in (True, False):
+        (pq, pk, pv, pdout), mask = _padded(seqs, s_max, left)
+        pq, pk, pv = (t.detach().requires_grad_() for t in (pq, pk, pv))
+        pout, plse = rl_engine_ext.attention(pq, pk, pv, mask, causal=causal, return_lse=True)
+        pout.backward(pdout)
+        side = "left" if left else "right"
+        for i, (q_i, *_rest) in enumerate(seqs):
+            n = q_i.shape[0]
+            rows = slice(s_max - n, s_max) if left else slice(0, n)
+            a_out, a_lse, a_grads = alone[i]
+            _assert_equal(pout[i, :, rows].transpose(0, 1), a_out, f"{side}-padded out, seq {i}")
+            _assert_equal(plse[i, :, rows], a_lse, f"{side}-padded lse, seq {i}")
+            for name, g, a in zip("qkv", (pq.grad, pk.grad, pv.grad), a_grads):
+                _assert_equal(g[i, :, rows].transpose(0, 1), a, f"{side}-padded d{name}, seq {i}")
+            pad = torch.ones(s_max, dtype=torch.bool, device=device)
+            pad[rows] = False
+            assert torch.all(pout[i, :, pad] == 0) and torch.all(plse[i, :, pad] == float("-inf"))
+            for g in (pq.grad, pk.grad, pv.grad):
+                assert torch.all(g[i, :, pad] == 0), "padding rows must get zero gradients"
+
+
+def test_harness_over_the_batch_dimension(device, dtype):
+    """The shared harness over dim 0 of the padded op: batch of 1, sub-batches, padding with
+    other sequences, chunks, repeats, and per-sequence input gradients."""
+    hq, hkv, d, _ = _config(device, dtype)
+    b, s = 6, 70
+    q, k, v = (randn(b, h, s, d, dtype=dtype, device=device, seed=i) for i, h in enumerate((hq, hkv, hkv)))
+    report = testing.check_invariance(lambda q, k, v: rl_engine_ext.attention(q, k, v), [q, k, v], chunk_sizes=(1, 4))
+    testing.assert_invariant(report)
+
+
+# ------------------------------------------------------------------------------------------
+# Axis-A: chunked prefill and KV-cache decode vs prefill
+# ------------------------------------------------------------------------------------------
+
+
+def _cache(seqs, s_max):
+    b, (q0, k0, _v0, _d0) = len(seqs), seqs[0]
+    k_cache = torch.zeros(b, k0.shape[1], s_max, k0.shape[2], dtype=k0.dtype, device=k0.device)
+    v_cache = torch.zeros_like(k_cache)
+    for i, (_q, k, v, _d) in enumerate(seqs):
+        k_cache[i, :, : k.shape[0]] = k.transpose(0, 1)
+        v_cache[i, :, : v.shape[0]] = v.transpose(0, 1)
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100])
+def test_chunked_prefill_and_decode_equal_prefill(device, dtype, chunk):
+    """Every position of every sequence, computed chunk by chunk from a KV cache (chunk 1 is
+    decode), equals its row of the full prefill, bit for bit."""
+    hq, hkv, d, lengths = _config(device, dtype)
+    if device == "cpu" and chunk == 1:
+        lengths = lengths[:5]
+    seqs = _sequences(lengths, hq, hkv, d, dtype, device)
+    alone = _alone(seqs, grad=False)
+    k_cache, v_cache = _cache(seqs, max(lengths) + 5)
+    for i, (q, *_rest) in enumerate(seqs):
+        n_total = q.shape[0]
+        for start in range(0, n_total, chunk):
+            n = min(chunk, n_total - start)
+            qc = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            lens = torch.tensor([start + n], dtype=torch.int32, device=device)
+            out, lse = rl_engine_ext.attention_kvcache(qc, k_cache[i : i + 1], v_cache[i : i + 1], lens, return_lse=True)
+            _assert_equal(out[0].transpose(0, 1), alone[i][0][start : start + n], f"seq {i} chunk at {start} out")
+            _assert_equal(lse[0], alone[i][1][:, start : start + n], f"seq {i} chunk at {start} lse")
+
+
+def test_batched_decode_equals_prefill(device, dtype):
+    """One decode step for a batch of sequences at different positions: each row equals that
+    sequence's prefill row (other sequences in the batch change nothing)."""
+    hq, hkv, d, lengths = _config(device, dtype)
+    seqs = _sequences(lengths, hq, hkv, d, dtype, device)
+    alone = _alone(seqs, grad=False)
+    k_cache, v_cache = _cache(seqs, max(lengths))
+    q = torch.stack([s[0][-1:].transpose(0, 1) for s in seqs])  # the last position: [B, Hq, 1, D]
+    lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+    out, lse = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True)
+    for i, n in enumerate(lengths):
+        _assert_equal(out[i, :, 0], alone[i][0][n - 1], f"decode seq {i} out")
+        _assert_equal(lse[i, :, 0], alone[i][1][:, n - 1], f"decode seq {i} lse")
+
+
+def test_gradients_run_to_run_identical(device, dtype):
+    hq, hkv, d, lengths = _config(device, dtype)
+    seqs = _sequences(lengths[-3:], hq, hkv, d, dtype, device)
+    (q, k, v, dout), cu = _packed(seqs, device)
+    first = _run_varlen(q, k, v, dout, cu)[2]
+    second = _run_varlen(q, k, v, dout, cu)[2]
+    for name, a, b in zip("qkv", first, second):
+        _assert_equal(a, b, f"d{name} run to run")
+
+
+def test_cpu_result_independent_of_thread_count():
+    """The CPU kernels hand whole row tiles to threads: 1 thread and several give the same bits."""
+    seqs = _sequences([3, 65, 130], 4, 2, 64, torch.bfloat16, "cpu")
+    (q, k, v, dout), cu = _packed(seqs, "cpu")
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run_varlen(q, k, v, dout, cu)
+        torch.set_num_threads(max(2, saved))
+        many = _run_varlen(q, k, v, dout, cu)
+    finally:
+        torch.set_num_threads(saved)
+    for name, a, b in zip(("out", "lse"), one[:2], many[:2]):
+        _assert_equal(a, b, f"{name}, 1 thread vs {max(2, saved)}")
+    for name, a, b in zip("qkv", one[2], many[2]):
+        _assert_equal(a, b, f"d{name}, 1 thread vs {max(2, saved)}")
+
+
+# ------------------------------------------------------------------------------------------
+# Axis-B: accuracy against the fp32 ground truth
+# ------------------------------------------------------------------------------------------
+
+
+def _gqa_cases(device):
+    if device == "cuda":
+        return [(32, 8, 128, 300), (8, 8, 64, 129), (4, 1, 80, 70)]  # head_dim 80: the simt path
+    return [(4, 2, 64, 70), (2, 2, 1, 9), (3, 1, 33, 40)]
+
+
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_accuracy_vs_fp32(device, dtype, case, causal):
+    hq, hkv, d, s = _gqa_cases(device)[case]
+    b = 2
+    q, k, v = (randn(b, h, s, d, dtype=dtype, device=device, seed=i) for i, h in enumerate((hq, hkv, hkv)))
+    mask = torch.ones(b, s, dtype=torch.bool, device=device)
+    mask[1, : s // 3] = False  # left padding on the second sequence
+    out, lse = rl_engine_ext.attention(q, k, v, mask, causal=causal, return_lse=True)
+    truth, truth_lse = attn.reference_forward_fp32(q, k, v, mask, causal=causal)
+    tol = contract.tolerance("attention", dtype)
+    torch.testing.assert_close(out.float(), truth, atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(lse, truth_lse, atol=1e-4 if dtype == torch.float32 else 2e-3, rtol=1e-4)
+
+    dout = randn(b, hq, s, d, dtype=dtype, device=device, seed=9)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    rl_engine_ext.attention(*leaves, mask, causal=causal).backward(dout)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_out = attn.reference_forward_fp32(*ref_leaves, mask, causal=causal)[0]
+    ref_out.backward(dout.float())
+    gtol = contract.tolerance("attention", dtype, "gradient")
+    for name, got, ref in zip("qkv", leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.float(), ref.grad, atol=gtol.atol, rtol=gtol.rtol,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_scale_argument(device):
+    hq, hkv, d, _ = _config(device, torch.float32)
+    q, k, v = (randn(1, h, 20, d, dtype=torch.float32, device=device, seed=i) for i, h in enumerate((hq, hkv, hkv)))
+    out = rl_engine_ext.attention(q, k, v, scale=0.3)
+    torch.testing.assert_close(out, attn.reference_forward_fp32(q, k, v, scale=0.3)[0], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(out, rl_engine_ext.attention(q, k, v))
+
+
+# ------------------------------------------------------------------------------------------
+# GPU paths
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["sm80", "simt"])
+def test_each_gpu_path(monkeypatch, path):
+    major, _ = torch.cuda.get_device_capability()
+    if path == "sm80" and major < 8:
+        pytest.fail("the sm80 path needs compute capability >= 8.0")
+    monkeypatch.setenv("RL_ENGINE_EXT_ATTENTION_PATH", path)
+    hq, hkv, d, lengths = 8, 2, 128, [1, 65, 130]
+    seqs = _sequences(lengths, hq, hkv, d, torch.bfloat16, "cuda")
+    alone = _alone(seqs)
+    (q, k, v, dout), cu = _packed(seqs, "cuda")
+    out, lse, grads = _run_varlen(q, k, v, dout, cu)
+    k_cache, v_cache = _cache(seqs, 140)
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        _assert_equal(out[start:end], alone[i][0], f"{path} packed out {i}")
+        for name, g, a in zip("qkv", grads, alone[i][2]):
+            _assert_equal(g[start:end], a, f"{path} packed d{name} {i}")
+        qd = seqs[i][0][-1:].transpose(0, 1).unsqueeze(0)
+        dec = rl_engine_ext.attention_kvcache(qd, k_cache[i : i + 1], v_cache[i : i + 1],
+                                              torch.tensor([end - start], device="cuda"))
+        _assert_equal(dec[0, :, 0], alone[i][0][-1], f"{path} decode {i}")
+    truth = attn.reference_varlen(q, k, v, cu, fp32_out=True)[0]
+    tol = contract.tolerance("attention", torch.bfloat16)
+    torch.testing.assert_close(out.float(), truth, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.cuda
+def test_unknown_gpu_path_is_an_error(monkeypatch):
+    monkeypatch.setenv("RL_ENGINE_EXT_ATTENTION_PATH", "flash")
+    q = torch.randn(1, 2, 4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="RL_ENGINE_EXT_ATTENTION_PATH"):
+        rl_engine_ext.attention(q, q, q)
+
+
+# ------------------------------------------------------------------------------------------
+# Odd and empty shapes, bad input
+# ------------------------------------------------------------------------------------------
+
+
+def test_empty_shapes(device):
+    dt = torch.bfloat16
+    q = torch.randn(0, 4, 8, 64, device=device, dtype=dt)
+    out, lse = rl_engine_ext.attention(q, q[:, :2], q[:, :2], return_lse=True)
+    assert out.shape == q.shape and lse.shape == (0, 4, 8)
+    q = torch.randn(2, 4, 0, 64, device=device, dtype=dt)
+    assert rl_engine_ext.attention(q, q, q).shape == q.shape
+    # A fully padded row: out 0, lse -inf, zero gradients.
+    q = torch.randn(2, 2, 5, 64, device=device, dtype=dt, requires_grad=True)
+    mask = torch.tensor([[0] * 5, [1] * 5], device=device)
+    out, lse = rl_engine_ext.attention(q, q, q, mask, return_lse=True)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+    out.sum().backward()
+    assert torch.all(q.grad[0] == 0) and torch.isfinite(q.grad).all()
+    # Varlen with empty sequences in the pack.
+    q = torch.randn(7, 2, 64, device=device, dtype=dt)
+    cu = torch.tensor([0, 0, 3, 3, 7], dtype=torch.int32, device=device)
+    out = rl_engine_ext.attention_varlen(q, q, q, cu)
+    alone = rl_engine_ext.attention_varlen(q[3:], q[3:], q[3:], torch.tensor([0, 4], dtype=torch.int32, device=device))
+    _assert_equal(out[3:], alone, "varlen next to empty sequences")
+    # KV cache with no new tokens.
+    kc = torch.randn(1, 2, 10, 64, device=device, dtype=dt)
+    out = rl_engine_ext.attention_kvcache(torch.randn(1, 2, 0, 64, device=device, dtype=dt), kc, kc,
+                                          torch.tensor([4], device=device))
+    assert out.shape == (1, 2, 0, 64)
+
+
+def test_bad_input(device):
+    dt = torch.bfloat16
+    q = torch.randn(2, 4, 8, 64, device=device, dtype=dt)
+    kv = torch.randn(2, 2, 8, 64, device=device, dtype=dt)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        rl_engine_ext.attention(q.to(torch.float64), kv.double(), kv.double())
+    with pytest.raises(ValueError, match="differs from q dtype"):
+        rl_engine_ext.attention(q, kv.float(), kv.float())
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        rl_engine_ext.attention(q, q[:, :3], q[:, :3])
+    with pytest.raises(ValueError, match="head_dim"):
+        rl_engine_ext.attention(q, kv[..., :32], kv[..., :32])
+    with pytest.raises(ValueError, match="4-D"):
+        rl_engine_ext.attention(q[0], kv[0], kv[0])
+    with pytest.raises(ValueError, match="one run"):
+        rl_engine_ext.attention(q, kv, kv, torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1]] * 2, device=device))
+    with pytest.raises(ValueError, match="padding_mask must have shape"):
+        rl_engine_ext.attention(q, kv, kv, torch.ones(2, 7, dtype=torch.bool, device=device))
+    with pytest.raises(ValueError, match="scale must be finite"):
+        rl_engine_ext.attention(q, kv, kv, scale=float("nan"))
+    qp, kvp = q[0].transpose(0, 1).contiguous(), kv[0].transpose(0, 1).contiguous()  # [8, H, D]
+    for cu, msg in (([0, 3, 2, 8], "non-decreasing"), ([0, 3, 7], "end at the token count"), ([1, 8], "start at 0")):
+        with pytest.raises(ValueError, match=msg):
+            rl_engine_ext.attention_varlen(qp, kvp, kvp, torch.tensor(cu, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="int32 or torch.int64"):
+        rl_engine_ext.attention_varlen(qp, kvp, kvp, torch.tensor([0.0, 8.0], device=device))
+    with pytest.raises(ValueError, match="max_seqlen"):
+        rl_engine_ext.attention_varlen(qp, kvp, kvp, torch.tensor([0, 8], dtype=torch.int32, device=device), 4)
+    for lens in ([0, 8], [9, 8]):  # fewer than the new tokens; more than the cache
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            rl_engine_ext.attention_kvcache(q[:, :, :2], kv, kv, torch.tensor(lens, device=device))
+
+
+def test_kvcache_and_backward_ops_are_not_differentiable(device):
+    q = torch.randn(1, 2, 1, 64, device=device, requires_grad=True)
+    kc = torch.randn(1, 2, 4, 64, device=device)
+    out = rl_engine_ext.attention_kvcache(q, kc, kc, torch.tensor([4], device=device))
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
+
+
+def test_reference_fallback_matches_native(device, monkeypatch):
+    """Without the native library the public functions run the references (autograd included)."""
+    q, k, v = (randn(2, h, 33, 64, dtype=torch.float32, device=device, seed=i) for i, h in enumerate((4, 2, 2)))
+    native = rl_engine_ext.attention(q, k, v)
+    monkeypatch.setattr(attn, "NATIVE_AVAILABLE", False)
+    leaf = q.detach().requires_grad_()
+    fallback = rl_engine_ext.attention(leaf, k, v)
+    fallback.sum().backward()
+    torch.testing.assert_close(fallback, native, atol=1e-5, rtol=1e-5)
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Registration: opcheck, torch.compile
+# ------------------------------------------------------------------------------------------
+
+
+def test_opcheck(device, dtype):
+    q, k, v = (randn(2, h, 20, 64, dtype=dtype, device=device, seed=i) for i, h in enumerate((4, 2, 2)))
+    mask = torch.ones(2, 20, dtype=torch.bool, device=device)
+    mask[0, :5] = False
+    ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.rl_align.attention.default, (ql, kl, vl, None, None, True))
+    torch.library.opcheck(torch.ops.rl_align.attention.default, (ql, kl, vl, mask, 0.2, False))
+    qp, kp, vp = (t[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.rl_align.attention_varlen.default, (qp, kp, vp, cu, None, None, True))
+    torch.library.opcheck(torch.ops.rl_align.attention_kvcache.default,
+                          (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None))
+
+
+def test_torch_compile(device):
+    q, k, v = (randn(2, h, 24, 64, dtype=torch.float32, device=device, seed=i) for i, h in enumerate((4, 2, 2)))
+
+    def f(q, k, v):
+        return rl_engine_ext.attention(q, k, v) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    _assert_equal(compiled(q, k, v), f(q, k, v), "compiled vs eager")
