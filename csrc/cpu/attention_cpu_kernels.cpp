@@ -35,15 +35,12 @@
 #include <vector>
 
 #include "../rms_norm_host.h"
+#include "micro_kernel_cpu.h"
 
 namespace rl_align {
 namespace {
 
 constexpr int64_t kBlock = kAttentionKvBlock;
-// Micro-tile held in registers: kMicroRows x kMicroCols fp32 accumulators (8 SSE registers on
-// the x86-64 baseline, with room left for the B row and the broadcast A values).
-constexpr int64_t kMicroRows = 4;
-constexpr int64_t kMicroCols = 8;
 // Query rows per forward / dQ task and key rows per dK/dV task: a key (query) block, converted
 // once, serves this many rows, which keeps the conversions small next to the multiply-adds.
 constexpr int64_t kRowTile = 4 * kMicroRows;
@@ -52,33 +49,6 @@ static_assert(kBlock % kMicroCols == 0, "a block is whole column groups");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// acc[r][c] = acc[r][c] + a[kk][r] * b[kk][c] for kk = 0, 1, ..., depth-1 in order: the one place
-// a chain is taken. a and b are micro-panels ([depth][kMicroRows], [depth][kMicroCols]) read as
-// two contiguous streams. The r and c loops are unrolled completely so that the accumulators stay
-// in registers and the c loop becomes SIMD over columns; the kk loop is kept rolled (unrolling it
-// lets GCC's SLP vectoriser shuffle accumulators across iterations and spill them).
-void micro_kernel(int64_t depth, const float* __restrict__ a, const float* __restrict__ b,
-                  float* __restrict__ acc, int64_t ld_acc) {
-  float t[kMicroRows][kMicroCols];
-  for (int64_t r = 0; r < kMicroRows; ++r) {
-    for (int64_t c = 0; c < kMicroCols; ++c) t[r][c] = acc[r * ld_acc + c];
-  }
-#pragma GCC unroll 1
-  for (int64_t kk = 0; kk < depth; ++kk) {
-    const float* bk = b + kk * kMicroCols;
-    const float* ak = a + kk * kMicroRows;
-#pragma GCC unroll 16
-    for (int64_t r = 0; r < kMicroRows; ++r) {
-      const float av = ak[r];
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < kMicroCols; ++c) t[r][c] = t[r][c] + av * bk[c];
-    }
-  }
-  for (int64_t r = 0; r < kMicroRows; ++r) {
-    for (int64_t c = 0; c < kMicroCols; ++c) acc[r * ld_acc + c] = t[r][c];
-  }
-}
 
 // acc[r][c] += the micro-kernel's chain for r < rows, c < cols (multiples of the micro-tile), with
 // row group g's A panel at a + g * a_panel and column group g's B panel at b + g * b_panel.

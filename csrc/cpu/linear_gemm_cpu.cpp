@@ -24,14 +24,11 @@
 #include <vector>
 
 #include "../rms_norm_host.h"
+#include "micro_kernel_cpu.h"
 
 namespace rl_align {
 namespace {
 
-// Micro-tile held in registers: kMicroRows x kMicroCols fp32 accumulators (8 SSE registers on
-// the x86-64 baseline, with room left for the B row and the broadcast A values).
-constexpr int64_t kMicroRows = 4;
-constexpr int64_t kMicroCols = 8;
 // A tile of C: its accumulators stay in a thread-local buffer across k chunks. A is packed once
 // per column tile and B once per row tile, so wide tiles keep the (fp16: software) conversions
 // small next to the kTileRows x kTileCols x k multiply-adds.
@@ -96,32 +93,6 @@ void pack_b(const T* b, int64_t ldb, bool mn_major, int64_t j0, int64_t cols, in
         }
       }
     }
-  }
-}
-
-// acc[r][c] = acc[r][c] + a[kk][r] * b[kk][c] for kk = 0, 1, ..., kc-1 in order: the one place
-// the sum over k is taken. The r and c loops are unrolled completely so that the accumulators
-// stay in registers and the c loop becomes SIMD over columns; the kk loop is kept rolled, since
-// unrolling it lets GCC's SLP vectoriser shuffle accumulators across iterations and spill them.
-void micro_kernel(int64_t kc, const float* __restrict__ a, const float* __restrict__ b,
-                  float* __restrict__ acc, int64_t ld_acc) {
-  float t[kMicroRows][kMicroCols];
-  for (int64_t r = 0; r < kMicroRows; ++r) {
-    for (int64_t c = 0; c < kMicroCols; ++c) t[r][c] = acc[r * ld_acc + c];
-  }
-#pragma GCC unroll 1
-  for (int64_t kk = 0; kk < kc; ++kk) {
-    const float* bk = b + kk * kMicroCols;
-    const float* ak = a + kk * kMicroRows;
-#pragma GCC unroll 16
-    for (int64_t r = 0; r < kMicroRows; ++r) {
-      const float av = ak[r];
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < kMicroCols; ++c) t[r][c] = t[r][c] + av * bk[c];
-    }
-  }
-  for (int64_t r = 0; r < kMicroRows; ++r) {
-    for (int64_t c = 0; c < kMicroCols; ++c) acc[r * ld_acc + c] = t[r][c];
   }
 }
 
