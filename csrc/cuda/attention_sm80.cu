@@ -43,6 +43,7 @@
 // and only ever has zeros or finite values added). A warp whose rows all lie before a block skips
 // it outright, which is the same thing. Keys past kv_len are cp.async zero fill and masked.
 #include "attention_kernels.h"
+#include "attention_sm80_common.h"
 #include "mma_sm80.h"
 
 #if !RL_ALIGN_HIP
@@ -56,13 +57,7 @@ namespace {
 // Tile configurations (the partition: chosen from max_q_len * G and head_dim, never from results)
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;  // mma.sync.m16n8k16
-constexpr int kElemBytes = 2;                      // bf16 / fp16
-constexpr int kChunkElems = 16 / kElemBytes;       // 16 bytes (a cp.async, an ldmatrix row)
 constexpr int kKvBlock = static_cast<int>(kAttentionKvBlock);  // keys per online-softmax block
-// Shared-memory rows are padded by 16 bytes: the row pitch is then an odd number of 16-byte units,
-// so the 8 row addresses of one ldmatrix 8x8 matrix fall in 8 different 16-byte bank groups.
-constexpr int kPadElems = kChunkElems;
 
 // WARPS warps of M_TILES m16 row tiles each (BLOCK_M rows per CTA); STAGES K/V blocks in the
 // cp.async ring; MIN_BLOCKS CTAs per SM for __launch_bounds__.
@@ -113,17 +108,7 @@ using PrefillConfig = FwdConfig<D, 4, 2, 2, 2>;
 // (sequence, kv head)'s K/V; past it, a prefill CTA shares each K/V block among 128 rows.
 constexpr int64_t kDecodeMaxRows = 32;
 
-// Positions and rows (query x head in group) are int in the kernel, with room for a tile.
-constexpr int64_t kMaxKvLen = INT32_MAX - 2 * kAttentionKvBlock;
-constexpr int64_t kMaxRows = INT32_MAX - 1024;
-
 #ifdef RL_ALIGN_SM80_DEVICE
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // 1 / l for l >= 1 (the row sum holds p = 1 for the row's max): hardware approximation plus one
 // Newton step, within an ulp of the correctly rounded value. Written out (rather than IEEE
@@ -140,49 +125,7 @@ __device__ __forceinline__ float extreme(float a, float b) {
   return SCALE_NONNEG ? fmaxf(a, b) : fminf(a, b);
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack_rounded(float lo, float hi);
 
-template <>
-__device__ __forceinline__ uint32_t pack_rounded<bfloat16_t>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-template <>
-__device__ __forceinline__ uint32_t pack_rounded<half_t>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Shared -> registers: per-lane ldmatrix addresses (lane l feeds row l % 8 of matrix l / 8)
-// ------------------------------------------------------------------------------------------------
-// Q (A operand, tile [row][d], no trans): matrix q = rows 8 (q & 1) + r, d columns 8 (q >> 1):
-//   r[q] = a[q] of the m16 x k16 fragment (PTX fragment order: rows + 8 -> a[1], d + 8 -> a[2]).
-// K (B operand of S = Q K^T, B[d][key] = K[key][d], tile [key][d], no trans): matrix q = keys
-//   8 (q >> 1) + r, d columns 8 (q & 1); lane holds key g, d 2t, 2t + 1: r[0], r[1] = b[0], b[1]
-//   of keys 0..7 and r[2], r[3] = b[0], b[1] of keys 8..15.
-// V (B operand of P V, B[key][d] = V[key][d], tile [key][d], trans): matrix q = keys 8 (q & 1) + r,
-//   d columns 8 (q >> 1); .trans gives keys 2t, 2t + 1 of column d = g: r[0], r[1] = b[0], b[1] of
-//   d 0..7 and r[2], r[3] of d 8..15.
-template <int PITCH_BYTES>
-__device__ __forceinline__ uint32_t q_lane_offset(int lane, int warp_row0) {
-  const int r = lane % 8, q = lane / 8;
-  return (warp_row0 + 8 * (q & 1) + r) * PITCH_BYTES + 8 * (q >> 1) * kElemBytes;
-}
-
-template <int PITCH_BYTES>
-__device__ __forceinline__ uint32_t k_lane_offset(int lane) {
-  const int r = lane % 8, q = lane / 8;
-  return (8 * (q >> 1) + r) * PITCH_BYTES + 8 * (q & 1) * kElemBytes;
-}
-
-template <int PITCH_BYTES>
-__device__ __forceinline__ uint32_t v_lane_offset(int lane) {
-  const int r = lane % 8, q = lane / 8;
-  return (8 * (q & 1) + r) * PITCH_BYTES + 8 * (q >> 1) * kElemBytes;
-}
 
 #endif  // RL_ALIGN_SM80_DEVICE
 
@@ -217,9 +160,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   // is scale_log2 times the max of s_j (min for a negative scale), and masked keys hold the
   // identity of that extreme.
   const float ext_identity = SCALE_NONNEG ? -INFINITY : INFINITY;
-  const uint32_t q_lane = q_smem + q_lane_offset<PITCH>(lane, warp * Cfg::WARP_ROWS);
-  const uint32_t k_lane = kv_ring + k_lane_offset<PITCH>(lane);
-  const uint32_t v_lane = kv_ring + Cfg::KV_TILE_BYTES + v_lane_offset<PITCH>(lane);
+  // ldmatrix addresses: Q is the A operand of S = Q K^T, K its B operand with rows = keys (n), V
+  // the B operand of P V with rows = keys (k, loaded transposed).
+  const uint32_t q_lane = q_smem + a_lane_offset<PITCH>(lane, warp * Cfg::WARP_ROWS);
+  const uint32_t k_lane = kv_ring + bn_lane_offset<PITCH>(lane);
+  const uint32_t v_lane = kv_ring + Cfg::KV_TILE_BYTES + bk_lane_offset<PITCH>(lane);
   // This thread's copy slot: rows (keys of a K/V tile, rows of the Q tile) copy_key +
   // KEYS_PER_COPY c, 16-byte chunk copy_chunk.
   const int copy_key = tid / CPR, copy_chunk = tid % CPR;
@@ -530,10 +475,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int kc = 0; kc < Cfg::KEY_STEPS; ++kc) {
-              pa[mt][kc][0] = pack_rounded<T>(score[mt][2 * kc][0], score[mt][2 * kc][1]);
-              pa[mt][kc][1] = pack_rounded<T>(score[mt][2 * kc][2], score[mt][2 * kc][3]);
-              pa[mt][kc][2] = pack_rounded<T>(score[mt][2 * kc + 1][0], score[mt][2 * kc + 1][1]);
-              pa[mt][kc][3] = pack_rounded<T>(score[mt][2 * kc + 1][2], score[mt][2 * kc + 1][3]);
+              c_to_a<T>(pa[mt][kc], score[mt][2 * kc], score[mt][2 * kc + 1]);
             }
           }
           // acc += P V: each element's chain takes the k16 key chunks in increasing order.
@@ -595,18 +537,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
 template <typename T, typename Cfg, bool SCALE_NONNEG>
 gpuError_t launch_kernel(const AttentionProblem& p, float scale_log2, gpuStream_t stream) {
   auto kernel = attention_fwd_sm80_kernel<T, Cfg, SCALE_NONNEG>;
-  if constexpr (Cfg::SMEM_BYTES > 48 * 1024) {
-    // The dynamic shared-memory limit is raised once per device (bit d of `raised`).
-    static std::atomic<uint64_t> raised{0};
-    const int device = current_device();
-    const uint64_t bit = device >= 0 && device < 64 ? (uint64_t{1} << device) : 0;
-    if (bit == 0 || (raised.load(std::memory_order_relaxed) & bit) == 0) {
-      const gpuError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES);
-      if (err != cudaSuccess) return err;
-      raised.fetch_or(bit, std::memory_order_relaxed);
-    }
-  }
+  static std::atomic<uint64_t> raised{0};
+  const gpuError_t err = allow_dynamic_smem(kernel, Cfg::SMEM_BYTES, raised);
+  if (err != cudaSuccess) return err;
   const int64_t group = p.heads_q / p.heads_kv;  // G query heads per kv head
   const int64_t tiles = ceil_div(p.max_q_len * group, Cfg::BLOCK_M);
   const dim3 grid(static_cast<unsigned>(tiles < INT32_MAX ? tiles : INT32_MAX),
@@ -638,33 +571,13 @@ gpuError_t dispatch_head_dim(const AttentionProblem& p, gpuStream_t stream) {
   return dispatch_config<T, 128>(p, stream);
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
 
-// Operands are read in 16-byte chunks: q, k, v, out must be 16-byte aligned and every token/head
-// stride (and each sequence's q_base, kv_base) a multiple of 8 elements, as the launcher
-// guarantees (attention_operand). Positions are 32-bit: kv lengths up to kMaxKvLen, query rows
-// (max_q_len * G) up to kMaxRows.
+// Problem requirements: sm80_attention_problem_error (attention_sm80_common.h).
 gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, gpuStream_t stream) {
-  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return cudaErrorNotSupported;
-  if (p.head_dim != 64 && p.head_dim != 128) return cudaErrorNotSupported;
-  if (p.num_seqs < 0 || p.max_q_len < 0 || p.max_kv_len < 0) return cudaErrorInvalidValue;
-  if (p.num_seqs == 0 || p.max_q_len == 0) return cudaSuccess;  // no query rows anywhere
-  if (p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return cudaErrorInvalidValue;
-  if (p.heads_kv > 65535 || p.max_kv_len < p.max_q_len || p.max_kv_len > kMaxKvLen ||
-      p.max_q_len * (p.heads_q / p.heads_kv) > kMaxRows) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.seqs == nullptr || p.lse == nullptr) return cudaErrorInvalidValue;
-  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.out) ||
-      p.q == nullptr || p.k == nullptr || p.v == nullptr || p.out == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.q_stride_token % kChunkElems != 0 || p.q_stride_head % kChunkElems != 0 ||
-      p.kv_stride_token % kChunkElems != 0 || p.kv_stride_head % kChunkElems != 0) {
-    return cudaErrorInvalidValue;
-  }
+  const gpuError_t err = sm80_attention_problem_error(dtype, p, p.heads_kv);  // grid y: kv heads
+  if (err != cudaSuccess || p.num_seqs == 0 || p.max_q_len == 0) return err;
   if (dtype == DType::kBFloat16) return dispatch_head_dim<bfloat16_t>(p, stream);
   return dispatch_head_dim<half_t>(p, stream);
 }

@@ -43,6 +43,7 @@
 // P = 0 (selected, not computed) for the masked pairs, i.e. products +-0, which leave an fp32
 // accumulator's bits unchanged (x + 0 = x; +0 + -0 = +0; accumulators start at +0).
 #include "attention_kernels.h"
+#include "attention_sm80_common.h"
 #include "mma_sm80.h"
 
 #if !RL_ALIGN_HIP
@@ -56,12 +57,6 @@ namespace {
 // Tile configurations (the partition: chosen from head_dim only)
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;  // mma.sync.m16n8k16
-constexpr int kElemBytes = 2;                      // bf16 / fp16
-constexpr int kChunkElems = 16 / kElemBytes;       // 16 bytes (a cp.async, an ldmatrix row)
-// Shared-memory rows are padded by 16 bytes: the row pitch is then an odd number of 16-byte units,
-// so the 8 row addresses of one ldmatrix 8x8 matrix fall in 8 different 16-byte bank groups.
-constexpr int kPadElems = kChunkElems;
 constexpr int kKeyBlock = 64;  // keys per dQ pipeline stage
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -158,17 +153,7 @@ using DkvCfg = DkvConfig<D, 8, 64, 32, 2>;
 template <int D>
 using DqCfg = DqConfig<D, 8, 2>;
 
-// Positions and rows (query x head in group) are int in the kernels, with room for a tile.
-constexpr int64_t kMaxLen = INT32_MAX - 1024;
-constexpr int64_t kMaxRows = INT32_MAX - 1024;
-
 #ifdef RL_ALIGN_SM80_DEVICE
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // 4-byte global->shared copy (lse, delta rows are 4-byte aligned only) reading `src_bytes` (0 or
 // 4) bytes, zero fill otherwise.
@@ -177,60 +162,8 @@ __device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, 
                : "memory");
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack_rounded(float lo, float hi);
 
-template <>
-__device__ __forceinline__ uint32_t pack_rounded<bfloat16_t>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
-template <>
-__device__ __forceinline__ uint32_t pack_rounded<half_t>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// The m16n8 accumulators of n8 tiles 2 kc and 2 kc + 1, rounded to the input dtype, as the m16k16
-// A fragment of k16 chunk kc (PTX fragment order: a[1] rows + 8, a[2] columns + 8).
-template <typename T>
-__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
-  a[0] = pack_rounded<T>(lo[0], lo[1]);
-  a[1] = pack_rounded<T>(lo[2], lo[3]);
-  a[2] = pack_rounded<T>(hi[0], hi[1]);
-  a[3] = pack_rounded<T>(hi[2], hi[3]);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Shared -> registers: per-lane ldmatrix.x4 addresses (lane l feeds row l % 8 of matrix l / 8) in
-// a tile stored [row][d] with pitch PITCH_BYTES.
-// ------------------------------------------------------------------------------------------------
-// A operand, rows = m (no trans): matrix q = rows 8 (q & 1) + r, columns 8 (q >> 1): r[q] = a[q]
-//   of the m16 x k16 fragment at (row0, column 0).
-template <int PITCH_BYTES>
-__device__ __forceinline__ uint32_t a_lane_offset(int lane, int row0) {
-  const int r = lane % 8, q = lane / 8;
-  return (row0 + 8 * (q & 1) + r) * PITCH_BYTES + 8 * (q >> 1) * kElemBytes;
-}
-
-// B operand with rows = n (B[k][n] = tile[n][k], no trans): matrix q = rows 8 (q >> 1) + r,
-//   columns 8 (q & 1); lane holds row g, columns 2t, 2t + 1: r[0], r[1] = b[0], b[1] of n8 tile
-//   rows 0..7 and r[2], r[3] = b[0], b[1] of rows 8..15.
-template <int PITCH_BYTES>
-__device__ __forceinline__ uint32_t bn_lane_offset(int lane) {
-  const int r = lane % 8, q = lane / 8;
-  return (8 * (q >> 1) + r) * PITCH_BYTES + 8 * (q & 1) * kElemBytes;
-}
-
-// B operand with rows = k (B[k][n] = tile[k][n], trans): matrix q = rows 8 (q & 1) + r, columns
-//   8 (q >> 1); .trans gives rows 2t, 2t + 1 of column g: r[0], r[1] = b[0], b[1] of n8 tile
-//   columns 0..7 and r[2], r[3] of columns 8..15.
-template <int PITCH_BYTES>
-__device__ __forceinline__ uint32_t bk_lane_offset(int lane) {
-  const int r = lane % 8, q = lane / 8;
-  return (8 * (q & 1) + r) * PITCH_BYTES + 8 * (q >> 1) * kElemBytes;
-}
 
 // C (MMA_M x NT*8, fp32, zeroed first) = A B over D_STEPS k16 chunks of d, in increasing order: A
 // = the warp's 16 rows of a [row][d] tile, B^T = NT * 8 rows of a [row][d] tile (bn pattern).
@@ -755,18 +688,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 // Host side
 // ------------------------------------------------------------------------------------------------
 
-// Raises a kernel's dynamic shared-memory limit once per device (bit d of `raised`).
-template <typename Kernel>
-gpuError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& raised) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  const int device = current_device();
-  const uint64_t bit = device >= 0 && device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit != 0 && (raised.load(std::memory_order_relaxed) & bit) != 0) return cudaSuccess;
-  const gpuError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess) raised.fetch_or(bit, std::memory_order_relaxed);
-  return err;
-}
-
 unsigned grid_dim(int64_t n, int64_t cap) { return static_cast<unsigned>(n < cap ? n : cap); }
 
 template <typename T, int D>
@@ -788,7 +709,7 @@ gpuError_t launch_bwd(const AttentionGradProblem& gp, gpuStream_t stream) {
 
   auto dkdv = attention_bwd_dkdv_sm80_kernel<T, Dkv>;
   static std::atomic<uint64_t> dkdv_raised{0};
-  err = allow_smem(dkdv, Dkv::SMEM_BYTES, dkdv_raised);
+  err = allow_dynamic_smem(dkdv, Dkv::SMEM_BYTES, dkdv_raised);
   if (err != cudaSuccess) return err;
   const dim3 dkdv_grid(static_cast<unsigned>(p.heads_kv), seq_grid,
                        grid_dim(ceil_div(p.max_kv_len, Dkv::BLOCK_N), 65535));
@@ -798,7 +719,7 @@ gpuError_t launch_bwd(const AttentionGradProblem& gp, gpuStream_t stream) {
 
   auto dq = attention_bwd_dq_sm80_kernel<T, Dq>;
   static std::atomic<uint64_t> dq_raised{0};
-  err = allow_smem(dq, Dq::SMEM_BYTES, dq_raised);
+  err = allow_dynamic_smem(dq, Dq::SMEM_BYTES, dq_raised);
   if (err != cudaSuccess) return err;
   const dim3 dq_grid(static_cast<unsigned>(p.heads_q), seq_grid,
                      grid_dim(ceil_div(p.max_q_len, Dq::BLOCK_M), 65535));
@@ -812,32 +733,16 @@ gpuError_t dispatch_head_dim(const AttentionGradProblem& gp, gpuStream_t stream)
   return launch_bwd<T, 128>(gp, stream);
 }
 
-bool aligned16(const void* ptr) { return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
 
-// Operands are read and written in 16-byte (q, k, v, out, dout) and 4-byte (dq, dk, dv) pieces:
-// all of them must be 16-byte aligned and every token/head stride (and each sequence's q_base,
-// kv_base) a multiple of 8 elements, as the launcher guarantees (attention_operand). Positions are
-// 32-bit: lengths up to kMaxLen, max_q_len * G up to kMaxRows.
+// Problem requirements: sm80_attention_problem_error (attention_sm80_common.h), and dout, dq, dk,
+// dv 16-byte aligned like q (written in 4-byte pieces, read in 16-byte ones), delta non-null.
 gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& gp, gpuStream_t stream) {
   const AttentionProblem& p = gp.fwd;
-  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return cudaErrorNotSupported;
-  if (p.head_dim != 64 && p.head_dim != 128) return cudaErrorNotSupported;
-  if (p.num_seqs < 0 || p.max_q_len < 0 || p.max_kv_len < 0) return cudaErrorInvalidValue;
-  if (p.num_seqs == 0 || p.max_q_len == 0) return cudaSuccess;  // no query rows anywhere
-  if (p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return cudaErrorInvalidValue;
-  if (p.heads_q > 65535 || p.max_kv_len < p.max_q_len || p.max_kv_len > kMaxLen ||
-      p.max_q_len * (p.heads_q / p.heads_kv) > kMaxRows) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.seqs == nullptr || p.lse == nullptr || gp.delta == nullptr) return cudaErrorInvalidValue;
-  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.out) ||
-      !aligned16(gp.dout) || !aligned16(gp.dq) || !aligned16(gp.dk) || !aligned16(gp.dv)) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.q_stride_token % kChunkElems != 0 || p.q_stride_head % kChunkElems != 0 ||
-      p.kv_stride_token % kChunkElems != 0 || p.kv_stride_head % kChunkElems != 0) {
+  const gpuError_t err = sm80_attention_problem_error(dtype, p, p.heads_q);  // delta grid y: query heads
+  if (err != cudaSuccess || p.num_seqs == 0 || p.max_q_len == 0) return err;
+  if (gp.delta == nullptr || !aligned16(gp.dout) || !aligned16(gp.dq) || !aligned16(gp.dk) || !aligned16(gp.dv)) {
     return cudaErrorInvalidValue;
   }
   if (dtype == DType::kBFloat16) return dispatch_head_dim<bfloat16_t>(gp, stream);

@@ -29,13 +29,6 @@ namespace {
 // Tile configuration (the partition: never chosen from m)
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;  // mma.sync.m16n8k16
-constexpr int kElemBytes = 2;                      // bf16 / fp16
-constexpr int kChunkElems = 16 / kElemBytes;       // 16 bytes (a cp.async, an ldmatrix row)
-// Shared-memory rows are padded by 16 bytes: the row pitch is then an odd number of 16-byte
-// units, so the 8 row addresses of one ldmatrix 8x8 matrix (same column, 8 consecutive rows) fall
-// in 8 different 16-byte bank groups (conflict-free), for both K-major and MN-major tiles.
-constexpr int kPadElems = kChunkElems;
 
 // BM x BN output tile per CTA, BK-deep k-blocks, WARPS_M x WARPS_N warps each owning a
 // (BM / WARPS_M) x (BN / WARPS_N) sub-tile, STAGES k-blocks in the cp.async ring.
@@ -413,18 +406,9 @@ gpuError_t launch_sm80(const GemmProblem& p, gpuStream_t stream) {
   using Cfg = Sm80DefaultConfig;
   constexpr int kSmemBytes = Sm80Smem<Cfg, A_MN, B_MN>::kBytes;
   auto kernel = linear_gemm_sm80_kernel<T, Cfg, A_MN, B_MN, C_FP32>;
-  if constexpr (kSmemBytes > 48 * 1024) {
-    // The dynamic shared-memory limit is raised once per device (bit d of `raised`).
-    static std::atomic<uint64_t> raised{0};
-    const int device = current_device();
-    const uint64_t bit = device >= 0 && device < 64 ? (uint64_t{1} << device) : 0;
-    if (bit == 0 || (raised.load(std::memory_order_relaxed) & bit) == 0) {
-      const gpuError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-      if (err != cudaSuccess) return err;
-      raised.fetch_or(bit, std::memory_order_relaxed);
-    }
-  }
+  static std::atomic<uint64_t> raised{0};
+  const gpuError_t err = allow_dynamic_smem(kernel, kSmemBytes, raised);
+  if (err != cudaSuccess) return err;
   const int64_t tiles_m = ceil_div(p.m, Cfg::BM), tiles_n = ceil_div(p.n, Cfg::BN);
   const int64_t tiles = tiles_m * tiles_n;
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
