@@ -80,6 +80,24 @@ struct AttentionProblem {
   bool causal = true;
 };
 
+// Host-and-device accessors: the CPU kernels and the GPU kernels read descriptors the same way.
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define RL_ALIGN_HOST_DEVICE __host__ __device__ inline
+#else
+#define RL_ALIGN_HOST_DEVICE inline
+#endif
+
+// Sequence s of a problem: its descriptor row.
+struct AttentionSeq {
+  int64_t q_base, kv_base, lse_base, q_len, kv_len;
+  RL_ALIGN_HOST_DEVICE int64_t first_pos() const { return kv_len - q_len; }  // position of query 0
+};
+
+RL_ALIGN_HOST_DEVICE AttentionSeq attention_seq(const AttentionProblem& p, int64_t s) {
+  const int64_t* f = p.seqs + s * kAttentionSeqFields;
+  return {f[kSeqQBase], f[kSeqKvBase], f[kSeqLseBase], f[kSeqQLen], f[kSeqKvLen]};
+}
+
 // Backward: the forward's problem (its out and lse are inputs now) plus the gradients.
 struct AttentionGradProblem {
   AttentionProblem fwd;  // fwd.out and fwd.lse: the saved forward output and log-sum-exp

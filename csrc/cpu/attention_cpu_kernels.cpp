@@ -99,16 +99,6 @@ int64_t block_a_at(int64_t r, int64_t j) {
   return ((r / kMicroRows) * kBlock + j) * kMicroRows + r % kMicroRows;
 }
 
-struct Seq {
-  int64_t q_base, kv_base, lse_base, q_len, kv_len;
-  int64_t first_pos() const { return kv_len - q_len; }  // position of query 0
-};
-
-Seq seq_at(const AttentionProblem& p, int64_t s) {
-  const int64_t* f = p.seqs + s * kAttentionSeqFields;
-  return {f[kSeqQBase], f[kSeqKvBase], f[kSeqLseBase], f[kSeqQLen], f[kSeqKvLen]};
-}
-
 // body(scratch, seq, head, first_row) for every tile of kRowTile rows (queries, or keys if
 // over_keys) of every (sequence, head < heads), the tiles spread over threads; one scratch per
 // thread's range.
@@ -116,7 +106,7 @@ template <typename Scratch, typename Body>
 void parallel_over_tiles(const AttentionProblem& p, int64_t heads, bool over_keys, Body body) {
   std::vector<int64_t> first_task(p.num_seqs + 1, 0);
   for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const Seq sq = seq_at(p, s);
+    const AttentionSeq sq = attention_seq(p, s);
     first_task[s + 1] = first_task[s] + heads * ceil_div(over_keys ? sq.kv_len : sq.q_len, kRowTile);
   }
   at::parallel_for(0, first_task.back(), 1, [&](int64_t begin, int64_t end) {
@@ -124,7 +114,7 @@ void parallel_over_tiles(const AttentionProblem& p, int64_t heads, bool over_key
     for (int64_t t = begin; t < end; ++t) {
       // The last sequence starting at or before t (sequences without tiles share its start).
       const int64_t s = std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
-      const Seq sq = seq_at(p, s);
+      const AttentionSeq sq = attention_seq(p, s);
       const int64_t tiles = ceil_div(over_keys ? sq.kv_len : sq.q_len, kRowTile);
       const int64_t local = t - first_task[s];
       body(scratch, sq, local / tiles, (local % tiles) * kRowTile);
@@ -159,7 +149,7 @@ struct FwdScratch {
 };
 
 template <typename T>
-void fwd_tile(const AttentionProblem& p, FwdScratch& w, const Seq& sq, int64_t h, int64_t i0) {
+void fwd_tile(const AttentionProblem& p, FwdScratch& w, const AttentionSeq& sq, int64_t h, int64_t i0) {
   const int64_t dim = p.head_dim, dim_pad = w.dim_pad;
   const int64_t rows = std::min(kRowTile, sq.q_len - i0);
   const int64_t rows_pad = ceil_div(rows, kMicroRows) * kMicroRows;
@@ -263,7 +253,7 @@ struct GradScratch {
 
 // delta_i = sum_d dout_i[d] * out_i[d], d in order.
 template <typename T>
-void delta_rows(const AttentionGradProblem& g, const Seq& sq, int64_t h, int64_t i0) {
+void delta_rows(const AttentionGradProblem& g, const AttentionSeq& sq, int64_t h, int64_t i0) {
   const AttentionProblem& p = g.fwd;
   const int64_t rows = std::min(kRowTile, sq.q_len - i0);
   const int64_t offset = sq.q_base + h * p.q_stride_head + i0 * p.q_stride_token;
@@ -291,7 +281,7 @@ void scores(int64_t dim, int64_t rows_pad, GradScratch& w) {
 }
 
 template <typename T>
-void dq_tile(const AttentionGradProblem& g, GradScratch& w, const Seq& sq, int64_t h, int64_t i0) {
+void dq_tile(const AttentionGradProblem& g, GradScratch& w, const AttentionSeq& sq, int64_t h, int64_t i0) {
   const AttentionProblem& p = g.fwd;
   const int64_t dim = p.head_dim, dim_pad = w.dim_pad;
   const int64_t rows = std::min(kRowTile, sq.q_len - i0);
@@ -345,7 +335,7 @@ void dq_tile(const AttentionGradProblem& g, GradScratch& w, const Seq& sq, int64
 }
 
 template <typename T>
-void dkv_tile(const AttentionGradProblem& g, GradScratch& w, const Seq& sq, int64_t kv_head, int64_t j0) {
+void dkv_tile(const AttentionGradProblem& g, GradScratch& w, const AttentionSeq& sq, int64_t kv_head, int64_t j0) {
   const AttentionProblem& p = g.fwd;
   const int64_t dim = p.head_dim, dim_pad = w.dim_pad;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -433,9 +423,10 @@ void attention_fwd_cpu(at::ScalarType dtype, const AttentionProblem& p) {
   check_problem("attention", p);
   dispatch_supported_dtype("attention", dtype, [&](auto tag) {
     using T = decltype(tag);
-    parallel_over_tiles<FwdScratch>(p, p.heads_q, false, [&](FwdScratch& w, const Seq& sq, int64_t h, int64_t i0) {
-      fwd_tile<T>(p, w, sq, h, i0);
-    });
+    parallel_over_tiles<FwdScratch>(p, p.heads_q, false,
+                                    [&](FwdScratch& w, const AttentionSeq& sq, int64_t h, int64_t i0) {
+                                      fwd_tile<T>(p, w, sq, h, i0);
+                                    });
   });
 }
 
@@ -449,15 +440,18 @@ void attention_bwd_cpu(at::ScalarType dtype, const AttentionGradProblem& g) {
   dispatch_supported_dtype("attention_backward", dtype, [&](auto tag) {
     using T = decltype(tag);
     // Three passes, each complete before the next: delta, then dQ, then dK/dV (which read delta).
-    parallel_over_tiles<NoScratch>(p, p.heads_q, false, [&](NoScratch&, const Seq& sq, int64_t h, int64_t i0) {
-      delta_rows<T>(g, sq, h, i0);
-    });
-    parallel_over_tiles<GradScratch>(p, p.heads_q, false, [&](GradScratch& w, const Seq& sq, int64_t h, int64_t i0) {
-      dq_tile<T>(g, w, sq, h, i0);
-    });
-    parallel_over_tiles<GradScratch>(p, p.heads_kv, true, [&](GradScratch& w, const Seq& sq, int64_t g_head, int64_t j0) {
-      dkv_tile<T>(g, w, sq, g_head, j0);
-    });
+    parallel_over_tiles<NoScratch>(p, p.heads_q, false,
+                                   [&](NoScratch&, const AttentionSeq& sq, int64_t h, int64_t i0) {
+                                     delta_rows<T>(g, sq, h, i0);
+                                   });
+    parallel_over_tiles<GradScratch>(p, p.heads_q, false,
+                                     [&](GradScratch& w, const AttentionSeq& sq, int64_t h, int64_t i0) {
+                                       dq_tile<T>(g, w, sq, h, i0);
+                                     });
+    parallel_over_tiles<GradScratch>(p, p.heads_kv, true,
+                                     [&](GradScratch& w, const AttentionSeq& sq, int64_t g_head, int64_t j0) {
+                                       dkv_tile<T>(g, w, sq, g_head, j0);
+                                     });
   });
 }
 

@@ -194,15 +194,15 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_simt_kernel(const Atte
   T* out = static_cast<T*>(p.out);
 
   for (int64_t seq = blockIdx.z; seq < p.num_seqs; seq += gridDim.z) {
-    const int64_t* fields = p.seqs + seq * kAttentionSeqFields;
-    const int64_t q_len = fields[kSeqQLen], kv_len = fields[kSeqKvLen];
+    const AttentionSeq sq = attention_seq(p, seq);
+    const int64_t q_len = sq.q_len, kv_len = sq.kv_len;
     for (int64_t head = blockIdx.y; head < p.heads_q; head += gridDim.y) {
-      const int64_t kv_offset = fields[kSeqKvBase] + (head / group) * p.kv_stride_head;
+      const int64_t kv_offset = sq.kv_base + (head / group) * p.kv_stride_head;
       for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * kTile; i0 < q_len;
            i0 += static_cast<int64_t>(gridDim.x) * kTile) {
         const int64_t rows = q_len - i0;
         const int64_t pos0 = kv_len - q_len + i0;  // position of the tile's row 0
-        const T* q_tile = q + fields[kSeqQBase] + i0 * p.q_stride_token + head * p.q_stride_head;
+        const T* q_tile = q + sq.q_base + i0 * p.q_stride_token + head * p.q_stride_head;
         const int64_t last_key = p.causal ? min64(pos0 + min64(rows, kTile) - 1, kv_len - 1) : kv_len - 1;
 
         float m[kMicro], l[kMicro], acc[kMicro][NC];
@@ -253,14 +253,14 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_simt_kernel(const Atte
         for (int r = 0; r < kMicro; ++r) {
           const int row = ty + kLanesPerRow * r;
           if (row >= rows) continue;
-          T* out_row = out + fields[kSeqQBase] + (i0 + row) * p.q_stride_token + head * p.q_stride_head;
+          T* out_row = out + sq.q_base + (i0 + row) * p.q_stride_token + head * p.q_stride_head;
 #pragma unroll
           for (int c = 0; c < NC; ++c) {
             const int col = tx + kLanesPerRow * c;
             // + 0.f: a zero output is +0 whatever sign its accumulator's zero had (see top).
             if (col < dim) out_row[col] = Convert<T>::from_float(acc[r][c] / l[r] + 0.f);
           }
-          if (tx == 0) p.lse[fields[kSeqLseBase] + head * p.lse_stride_head + i0 + row] = m[r] + logf(l[r]);
+          if (tx == 0) p.lse[sq.lse_base + head * p.lse_stride_head + i0 + row] = m[r] + logf(l[r]);
         }
       }
     }
@@ -280,21 +280,21 @@ __global__ void __launch_bounds__(kThreads) attention_delta_simt_kernel(const At
   const T* out = static_cast<const T*>(p.out);
   const T* dout = static_cast<const T*>(gp.dout);
   for (int64_t seq = blockIdx.z; seq < p.num_seqs; seq += gridDim.z) {
-    const int64_t* fields = p.seqs + seq * kAttentionSeqFields;
-    const int64_t q_len = fields[kSeqQLen];
+    const AttentionSeq sq = attention_seq(p, seq);
+    const int64_t q_len = sq.q_len;
     for (int64_t head = blockIdx.y; head < p.heads_q; head += gridDim.y) {
       for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * kDeltaRows; i0 < q_len;
            i0 += static_cast<int64_t>(gridDim.x) * kDeltaRows) {
         const int64_t i = i0 + row;
         float acc = 0.f;
         if (i < q_len) {
-          const int64_t offset = fields[kSeqQBase] + i * p.q_stride_token + head * p.q_stride_head;
+          const int64_t offset = sq.q_base + i * p.q_stride_token + head * p.q_stride_head;
           for (int64_t d = lane; d < p.head_dim; d += kDeltaLanes) {
             acc = fmaf(Convert<T>::to_float(dout[offset + d]), Convert<T>::to_float(out[offset + d]), acc);
           }
         }
         acc = lanes_sum<kDeltaLanes>(acc);
-        if (i < q_len && lane == 0) gp.delta[fields[kSeqLseBase] + head * p.lse_stride_head + i] = acc;
+        if (i < q_len && lane == 0) gp.delta[sq.lse_base + head * p.lse_stride_head + i] = acc;
       }
     }
   }
@@ -326,15 +326,15 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_simt_kernel(const
   T* dv = static_cast<T*>(gp.dv);
 
   for (int64_t seq = blockIdx.z; seq < p.num_seqs; seq += gridDim.z) {
-    const int64_t* fields = p.seqs + seq * kAttentionSeqFields;
-    const int64_t q_len = fields[kSeqQLen], kv_len = fields[kSeqKvLen];
+    const AttentionSeq sq = attention_seq(p, seq);
+    const int64_t q_len = sq.q_len, kv_len = sq.kv_len;
     for (int64_t head_slice = blockIdx.y; head_slice < p.heads_kv * slices; head_slice += gridDim.y) {
       const int64_t kv_head = head_slice / slices;
       const int col0 = static_cast<int>(head_slice % slices) * kCols;
       for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kTile; j0 < kv_len;
            j0 += static_cast<int64_t>(gridDim.x) * kTile) {
         const int64_t keys = kv_len - j0;
-        const int64_t kv_offset = fields[kSeqKvBase] + j0 * p.kv_stride_token + kv_head * p.kv_stride_head;
+        const int64_t kv_offset = sq.kv_base + j0 * p.kv_stride_token + kv_head * p.kv_stride_head;
         // Query i sits at position kv_len - q_len + i; the first block holding one that sees key j0.
         const int64_t first_query = p.causal && j0 > kv_len - q_len ? j0 - (kv_len - q_len) : 0;
 
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_simt_kernel(const
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
           for (int64_t i0 = first_query / kTile * kTile; i0 < q_len; i0 += kTile) {
             const int64_t queries = q_len - i0;
-            const int64_t q_offset = fields[kSeqQBase] + i0 * p.q_stride_token + head * p.q_stride_head;
+            const int64_t q_offset = sq.q_base + i0 * p.q_stride_token + head * p.q_stride_head;
             // One score tile live at a time: P^T goes to shared memory and feeds dV before dP^T is
             // computed; dS^T then reads back the thread's own P^T entries.
             float scores[kMicro][kMicro];
@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_simt_kernel(const
 #pragma unroll
             for (int c = 0; c < kMicro; ++c) {
               const int64_t i = i0 + tx + kLanesPerRow * c;
-              const float lse = i < q_len ? p.lse[fields[kSeqLseBase] + head * p.lse_stride_head + i] : 0.f;
+              const float lse = i < q_len ? p.lse[sq.lse_base + head * p.lse_stride_head + i] : 0.f;
 #pragma unroll
               for (int r = 0; r < kMicro; ++r) {
                 const int64_t key = j0 + ty + kLanesPerRow * r;
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_simt_kernel(const
 #pragma unroll
             for (int c = 0; c < kMicro; ++c) {
               const int64_t i = i0 + tx + kLanesPerRow * c;
-              const float delta = i < q_len ? gp.delta[fields[kSeqLseBase] + head * p.lse_stride_head + i] : 0.f;
+              const float delta = i < q_len ? gp.delta[sq.lse_base + head * p.lse_stride_head + i] : 0.f;
 #pragma unroll
               for (int r = 0; r < kMicro; ++r) {
                 const int64_t key = j0 + ty + kLanesPerRow * r;
@@ -423,22 +423,22 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_simt_kernel(const A
   T* dq = static_cast<T*>(gp.dq);
 
   for (int64_t seq = blockIdx.z; seq < p.num_seqs; seq += gridDim.z) {
-    const int64_t* fields = p.seqs + seq * kAttentionSeqFields;
-    const int64_t q_len = fields[kSeqQLen], kv_len = fields[kSeqKvLen];
+    const AttentionSeq sq = attention_seq(p, seq);
+    const int64_t q_len = sq.q_len, kv_len = sq.kv_len;
     for (int64_t head = blockIdx.y; head < p.heads_q; head += gridDim.y) {
-      const int64_t kv_offset = fields[kSeqKvBase] + (head / group) * p.kv_stride_head;
+      const int64_t kv_offset = sq.kv_base + (head / group) * p.kv_stride_head;
       for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * kTile; i0 < q_len;
            i0 += static_cast<int64_t>(gridDim.x) * kTile) {
         const int64_t rows = q_len - i0;
         const int64_t pos0 = kv_len - q_len + i0;
-        const int64_t q_offset = fields[kSeqQBase] + i0 * p.q_stride_token + head * p.q_stride_head;
+        const int64_t q_offset = sq.q_base + i0 * p.q_stride_token + head * p.q_stride_head;
         const int64_t last_key = p.causal ? min64(pos0 + min64(rows, kTile) - 1, kv_len - 1) : kv_len - 1;
 
         float lse[kMicro], delta[kMicro], acc[kMicro][NC];
 #pragma unroll
         for (int r = 0; r < kMicro; ++r) {
           const int64_t i = i0 + ty + kLanesPerRow * r;
-          const int64_t lse_index = fields[kSeqLseBase] + head * p.lse_stride_head + i;
+          const int64_t lse_index = sq.lse_base + head * p.lse_stride_head + i;
           lse[r] = i < q_len ? p.lse[lse_index] : 0.f;
           delta[r] = i < q_len ? gp.delta[lse_index] : 0.f;
 #pragma unroll

@@ -172,16 +172,15 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   const int q_step_queries = Cfg::KEYS_PER_COPY / group, q_step_heads = Cfg::KEYS_PER_COPY % group;
 
   for (int64_t s = blockIdx.z; s < p.num_seqs; s += gridDim.z) {
-    const int64_t* fields = p.seqs + s * kAttentionSeqFields;
-    const int64_t q_base = fields[kSeqQBase], kv_base = fields[kSeqKvBase];
-    const int q_len = static_cast<int>(fields[kSeqQLen]);
-    const int kv_len = static_cast<int>(fields[kSeqKvLen]);
+    const AttentionSeq sq = attention_seq(p, s);
+    const int q_len = static_cast<int>(sq.q_len);
+    const int kv_len = static_cast<int>(sq.kv_len);
     if (q_len <= 0) continue;
     const int rows = q_len * group;  // < 2^31 (entry point)
     const int tiles = (rows + BLOCK_M - 1) / BLOCK_M;
     const int first_pos = kv_len - q_len;  // position of query 0
     // Element offset of this thread's copy slot in key 0 of the sequence's kv head (K and V).
-    const int64_t copy_off = kv_base + static_cast<int64_t>(kv_head) * p.kv_stride_head +
+    const int64_t copy_off = sq.kv_base + static_cast<int64_t>(kv_head) * p.kv_stride_head +
                              static_cast<int64_t>(copy_key) * p.kv_stride_token + copy_chunk * kChunkElems;
 
     for (int visit = static_cast<int>(blockIdx.x); visit < tiles; visit += static_cast<int>(gridDim.x)) {
@@ -202,7 +201,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         for (int c = 0; c < Cfg::Q_COPIES; ++c) {
           const T* src = q;
           if (row < rows) {
-            src = q + q_base + static_cast<int64_t>(query) * p.q_stride_token +
+            src = q + sq.q_base + static_cast<int64_t>(query) * p.q_stride_token +
                   static_cast<int64_t>(kv_head * group + head) * p.q_stride_head +
                   copy_chunk * kChunkElems;
           }
@@ -218,23 +217,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         }
       };
       auto load_kv = [&](int stage, int block) {
-        uint32_t dst = kv_ring + stage * Cfg::STAGE_BYTES + copy_key * PITCH + copy_chunk * 16;
-        int key = block * kKvBlock + copy_key;
-        const int64_t block_off = static_cast<int64_t>(block) * kKvBlock * p.kv_stride_token;
-        const int64_t copy_step = Cfg::KEYS_PER_COPY * p.kv_stride_token;
-        const T* k_src = k + copy_off + block_off;
-        const T* v_src = v + copy_off + block_off;
-        // Pointers advance by one sweep per copy (not hoisted as KV_COPIES separate offsets).
-#pragma unroll 4
-        for (int c = 0; c < Cfg::KV_COPIES; ++c) {
-          const bool in_range = key < kv_len;
-          cp_async_16_zfill(dst, in_range ? k_src : k, in_range ? 16 : 0);
-          cp_async_16_zfill(dst + Cfg::KV_TILE_BYTES, in_range ? v_src : v, in_range ? 16 : 0);
-          dst += Cfg::KEYS_PER_COPY * PITCH;
-          key += Cfg::KEYS_PER_COPY;
-          k_src += copy_step;
-          v_src += copy_step;
-        }
+        copy_row_pair_async<T, Cfg::KV_COPIES, Cfg::KEYS_PER_COPY, PITCH, 4>(
+            kv_ring + stage * Cfg::STAGE_BYTES + copy_key * PITCH + copy_chunk * 16, Cfg::KV_TILE_BYTES, k, v,
+            copy_off + static_cast<int64_t>(block) * kKvBlock * p.kv_stride_token, p.kv_stride_token,
+            block * kKvBlock + copy_key, kv_len);
       };
 
       // Prologue: Q with block 0 (group 0), then blocks 1 .. STAGES-2 (one group each, empty
@@ -350,29 +336,29 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           // kv_len or past the warp's first position; elsewhere it would change nothing.
           const bool need_mask =
               key0 + kKvBlock > kv_len || (p.causal && key0 + kKvBlock - 1 > warp_first_pos);
-          // Allowed keys of row (mt, hh): key0 + 2t + (8 nt + e) <= last key, i.e.
-          // 8 nt + e <= col_limit (one register per row against immediates).
-          auto col_limit = [&](int mt, int hh) {
-            const int last_key = p.causal && row_pos[mt][hh] < kv_len ? row_pos[mt][hh] : kv_len - 1;
-            return last_key - key0 - 2 * t;
-          };
-          // Masked keys hold the identity of the extreme below (masked blocks only).
-          if (need_mask) {
+          // Sets the scores of keys a row may not see to `masked` (masked blocks only). Allowed
+          // keys of row (mt, hh): key0 + 2t + (8 nt + e) <= last key, i.e. 8 nt + e <= limit
+          // (one register per row against immediates).
+          auto mask_scores = [&](float masked) {
+            if (!need_mask) return;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh) {
-                const int limit = col_limit(mt, hh);
+                const int last_key = p.causal && row_pos[mt][hh] < kv_len ? row_pos[mt][hh] : kv_len - 1;
+                const int limit = last_key - key0 - 2 * t;
 #pragma unroll
                 for (int nt = 0; nt < Cfg::KEY_TILES; ++nt) {
 #pragma unroll
                   for (int e = 0; e < 2; ++e) {
-                    if (nt * kMmaN + e > limit) score[mt][nt][2 * hh + e] = ext_identity;
+                    if (nt * kMmaN + e > limit) score[mt][nt][2 * hh + e] = masked;
                   }
                 }
               }
             }
-          }
+          };
+          // Masked keys hold the identity of the extreme below.
+          mask_scores(ext_identity);
           float row_alpha[MT][2];
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
@@ -412,22 +398,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           }
           // Masked keys: p_j = 0, selected (for scale_log2 != 0 the fma already gave -inf and
           // ex2(-inf) = +0; for scale_log2 = 0 it gave NaN).
-          if (need_mask) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                const int limit = col_limit(mt, hh);
-#pragma unroll
-                for (int nt = 0; nt < Cfg::KEY_TILES; ++nt) {
-#pragma unroll
-                  for (int e = 0; e < 2; ++e) {
-                    if (nt * kMmaN + e > limit) score[mt][nt][2 * hh + e] = 0.f;
-                  }
-                }
-              }
-            }
-          }
+          mask_scores(0.f);
           // Block sums: a fixed pairwise tree over the lane's 16 keys (key-tile pairs e = 0, 1,
           // then halving over the key tiles), then the quad butterfly (commutative: the 4 lanes
           // get the same bits); l = l alpha + sum.
@@ -501,6 +472,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       // Epilogue: rows i < q_len only (row < rows). out = acc * (1 / l) rounded once; lse by
       // lane t = 0.
       if (warp_active) {
+        // Read again here: offsets held in registers through the key loop would cost spills.
+        const AttentionSeq out_seq = attention_seq(p, s);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -510,7 +483,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
             const int64_t i = row / group, h = kv_head * group + row % group;
             const float l = row_sum[mt][hh];
             const float inv_l = reciprocal(l);
-            T* out_row = out + fields[kSeqQBase] + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
+            T* out_row = out + out_seq.q_base + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
 #pragma unroll
             for (int dn = 0; dn < Cfg::D_TILES; ++dn) {
               const float o0 = __fmul_rn(acc[mt][dn][2 * hh], inv_l);
@@ -518,7 +491,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
               *reinterpret_cast<uint32_t*>(out_row + dn * kMmaN) = pack_rounded<T>(o0, o1);
             }
             if (t == 0) {
-              p.lse[fields[kSeqLseBase] + h * p.lse_stride_head + i] =
+              p.lse[out_seq.lse_base + h * p.lse_stride_head + i] =
                   __fadd_rn(__fmul_rn(row_max[mt][hh], 0.69314718055994530942f), logf(l));
             }
           }
@@ -551,8 +524,7 @@ gpuError_t launch_kernel(const AttentionProblem& p, float scale_log2, gpuStream_
 
 template <typename T, typename Cfg>
 gpuError_t launch_fwd(const AttentionProblem& p, gpuStream_t stream) {
-  // scale * log2(e), rounded once: exp(scale s - m) = 2^(s scale log2(e) - m log2(e)).
-  const float scale_log2 = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
+  const float scale_log2 = scale_log2e(p);
   if (scale_log2 < 0.f) return launch_kernel<T, Cfg, false>(p, scale_log2, stream);
   return launch_kernel<T, Cfg, true>(p, scale_log2, stream);
 }

@@ -225,9 +225,9 @@ __global__ void __launch_bounds__(Cfg::THREADS) attention_bwd_delta_kernel(const
   const T* __restrict__ out = static_cast<const T*>(p.out);
   const T* __restrict__ dout = static_cast<const T*>(gp.dout);
   for (int64_t s = blockIdx.z; s < p.num_seqs; s += gridDim.z) {
-    const int64_t* fields = p.seqs + s * kAttentionSeqFields;
-    const int64_t q_len = fields[kSeqQLen];
-    const int64_t row_off = fields[kSeqQBase] + head * p.q_stride_head + chunk * kChunkElems;
+    const AttentionSeq sq = attention_seq(p, s);
+    const int64_t q_len = sq.q_len;
+    const int64_t row_off = sq.q_base + head * p.q_stride_head + chunk * kChunkElems;
     // The loop condition is uniform per CTA, so every lane reaches the shuffles.
     for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * Cfg::ROWS; i0 < q_len;
          i0 += static_cast<int64_t>(gridDim.x) * Cfg::ROWS) {
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) attention_bwd_delta_kernel(const
       }
 #pragma unroll
       for (int m = 1; m < Cfg::ROW_LANES; m *= 2) acc = __fadd_rn(acc, shfl_xor(acc, m, Cfg::ROW_LANES));
-      if (i < q_len && chunk == 0) gp.delta[fields[kSeqLseBase] + head * p.lse_stride_head + i] = acc;
+      if (i < q_len && chunk == 0) gp.delta[sq.lse_base + head * p.lse_stride_head + i] = acc;
     }
   }
 #endif  // RL_ALIGN_SM80_DEVICE
@@ -292,14 +292,13 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   const int copy_row = tid / Cfg::CHUNKS_PER_ROW, copy_chunk = tid % Cfg::CHUNKS_PER_ROW;
 
   for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
-    const int64_t* fields = p.seqs + s * kAttentionSeqFields;
-    const int64_t q_base = fields[kSeqQBase], kv_base = fields[kSeqKvBase], lse_base = fields[kSeqLseBase];
-    const int q_len = static_cast<int>(fields[kSeqQLen]);
-    const int kv_len = static_cast<int>(fields[kSeqKvLen]);
+    const AttentionSeq sq = attention_seq(p, s);
+    const int q_len = static_cast<int>(sq.q_len);
+    const int kv_len = static_cast<int>(sq.kv_len);
     if (q_len <= 0) continue;
     const int first_pos = kv_len - q_len;  // position of query 0 (0 in training: q_len = kv_len)
     const int key_tiles = (kv_len + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N;
-    const int64_t kv_off = kv_base + static_cast<int64_t>(kv_head) * p.kv_stride_head;
+    const int64_t kv_off = sq.kv_base + static_cast<int64_t>(kv_head) * p.kv_stride_head;
 
     for (int tile = static_cast<int>(blockIdx.z); tile < key_tiles; tile += static_cast<int>(gridDim.z)) {
       const int key0 = tile * Cfg::BLOCK_N;
@@ -310,54 +309,28 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       const int iters = group * q_blocks;  // (head, query block) pairs, head-major
 
       auto load_kv = [&]() {
-        const int64_t copy_step = RPC * p.kv_stride_token;
-        const int64_t off0 = kv_off + static_cast<int64_t>(key0 + copy_row) * p.kv_stride_token +
-                             copy_chunk * kChunkElems;
-        const T* k_src = k + off0;
-        const T* v_src = v + off0;
-        uint32_t dst = k_smem + copy_row * PITCH + copy_chunk * 16;
-        int key = key0 + copy_row;
-#pragma unroll
-        for (int c = 0; c < Cfg::BLOCK_N / RPC; ++c) {
-          const bool in_range = key < kv_len;
-          cp_async_16_zfill(dst, in_range ? k_src : k, in_range ? 16 : 0);
-          cp_async_16_zfill(dst + Cfg::KV_TILE_BYTES, in_range ? v_src : v, in_range ? 16 : 0);
-          dst += RPC * PITCH;
-          key += RPC;
-          k_src += copy_step;
-          v_src += copy_step;
-        }
+        copy_row_pair_async<T, Cfg::BLOCK_N / RPC, RPC, PITCH>(
+            k_smem + copy_row * PITCH + copy_chunk * 16, Cfg::KV_TILE_BYTES, k, v,
+            kv_off + static_cast<int64_t>(key0 + copy_row) * p.kv_stride_token + copy_chunk * kChunkElems,
+            p.kv_stride_token, key0 + copy_row, kv_len);
       };
       // Iteration it: head g G + it / q_blocks, query block first_qb + it % q_blocks.
       auto load_q_block = [&](int stage, int it) {
         const int head = kv_head * group + it / q_blocks;
         const int qstart = (first_qb + it % q_blocks) * BLOCK_M;
         const uint32_t stage_base = ring + stage * Cfg::STAGE_BYTES;
-        const int64_t head_off = q_base + static_cast<int64_t>(head) * p.q_stride_head;
-        const int64_t copy_step = RPC * p.q_stride_token;
-        const int64_t off0 = head_off + static_cast<int64_t>(qstart + copy_row) * p.q_stride_token +
-                             copy_chunk * kChunkElems;
-        const T* q_src = q + off0;
-        const T* do_src = dout + off0;
-        uint32_t dst = stage_base + copy_row * PITCH + copy_chunk * 16;
-        int query = qstart + copy_row;
-#pragma unroll
-        for (int c = 0; c < BLOCK_M / RPC; ++c) {
-          const bool in_range = query < q_len;
-          cp_async_16_zfill(dst, in_range ? q_src : q, in_range ? 16 : 0);
-          cp_async_16_zfill(dst + Cfg::Q_TILE_BYTES, in_range ? do_src : dout, in_range ? 16 : 0);
-          dst += RPC * PITCH;
-          query += RPC;
-          q_src += copy_step;
-          do_src += copy_step;
-        }
+        copy_row_pair_async<T, BLOCK_M / RPC, RPC, PITCH>(
+            stage_base + copy_row * PITCH + copy_chunk * 16, Cfg::Q_TILE_BYTES, q, dout,
+            sq.q_base + static_cast<int64_t>(head) * p.q_stride_head +
+                static_cast<int64_t>(qstart + copy_row) * p.q_stride_token + copy_chunk * kChunkElems,
+            p.q_stride_token, qstart + copy_row, q_len);
         // lse (threads 0 .. BLOCK_M-1) and delta (BLOCK_M .. 2 BLOCK_M-1) of the block's queries.
         if (tid < 2 * BLOCK_M) {
           const int i = qstart + tid % BLOCK_M;
           const float* src = tid < BLOCK_M ? p.lse : gp.delta;
           const bool in_range = i < q_len;
           cp_async_4_zfill(stage_base + 2 * Cfg::Q_TILE_BYTES + tid * 4,
-                           in_range ? src + lse_base + static_cast<int64_t>(head) * p.lse_stride_head + i : src,
+                           in_range ? src + sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + i : src,
                            in_range ? 4 : 0);
         }
       };
@@ -526,15 +499,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   const int copy_row = tid / Cfg::CHUNKS_PER_ROW, copy_chunk = tid % Cfg::CHUNKS_PER_ROW;
 
   for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
-    const int64_t* fields = p.seqs + s * kAttentionSeqFields;
-    const int64_t q_base = fields[kSeqQBase], kv_base = fields[kSeqKvBase], lse_base = fields[kSeqLseBase];
-    const int q_len = static_cast<int>(fields[kSeqQLen]);
-    const int kv_len = static_cast<int>(fields[kSeqKvLen]);
+    const AttentionSeq sq = attention_seq(p, s);
+    const int q_len = static_cast<int>(sq.q_len);
+    const int kv_len = static_cast<int>(sq.kv_len);
     if (q_len <= 0) continue;
     const int first_pos = kv_len - q_len;
     const int tiles = (q_len + BLOCK_M - 1) / BLOCK_M;
-    const int64_t q_off = q_base + static_cast<int64_t>(head) * p.q_stride_head;
-    const int64_t kv_off = kv_base + kv_head * p.kv_stride_head;
+    const int64_t q_off = sq.q_base + static_cast<int64_t>(head) * p.q_stride_head;
+    const int64_t kv_off = sq.kv_base + kv_head * p.kv_stride_head;
 
     for (int visit = static_cast<int>(blockIdx.z); visit < tiles; visit += static_cast<int>(gridDim.z)) {
       const int qstart = (tiles - 1 - visit) * BLOCK_M;
@@ -543,42 +515,16 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
                                       : (kv_len + kKeyBlock - 1) / kKeyBlock;
 
       auto load_q = [&]() {
-        const int64_t copy_step = RPC * p.q_stride_token;
-        const int64_t off0 = q_off + static_cast<int64_t>(qstart + copy_row) * p.q_stride_token +
-                             copy_chunk * kChunkElems;
-        const T* q_src = q + off0;
-        const T* do_src = dout + off0;
-        uint32_t dst = q_smem + copy_row * PITCH + copy_chunk * 16;
-        int query = qstart + copy_row;
-#pragma unroll
-        for (int c = 0; c < BLOCK_M / RPC; ++c) {
-          const bool in_range = query < q_len;
-          cp_async_16_zfill(dst, in_range ? q_src : q, in_range ? 16 : 0);
-          cp_async_16_zfill(dst + Cfg::Q_TILE_BYTES, in_range ? do_src : dout, in_range ? 16 : 0);
-          dst += RPC * PITCH;
-          query += RPC;
-          q_src += copy_step;
-          do_src += copy_step;
-        }
+        copy_row_pair_async<T, BLOCK_M / RPC, RPC, PITCH>(
+            q_smem + copy_row * PITCH + copy_chunk * 16, Cfg::Q_TILE_BYTES, q, dout,
+            q_off + static_cast<int64_t>(qstart + copy_row) * p.q_stride_token + copy_chunk * kChunkElems,
+            p.q_stride_token, qstart + copy_row, q_len);
       };
       auto load_kv = [&](int stage, int block) {
-        const int64_t copy_step = RPC * p.kv_stride_token;
-        const int64_t off0 = kv_off + static_cast<int64_t>(block * kKeyBlock + copy_row) * p.kv_stride_token +
-                             copy_chunk * kChunkElems;
-        const T* k_src = k + off0;
-        const T* v_src = v + off0;
-        uint32_t dst = kv_ring + stage * Cfg::STAGE_BYTES + copy_row * PITCH + copy_chunk * 16;
-        int key = block * kKeyBlock + copy_row;
-#pragma unroll
-        for (int c = 0; c < kKeyBlock / RPC; ++c) {
-          const bool in_range = key < kv_len;
-          cp_async_16_zfill(dst, in_range ? k_src : k, in_range ? 16 : 0);
-          cp_async_16_zfill(dst + Cfg::KV_TILE_BYTES, in_range ? v_src : v, in_range ? 16 : 0);
-          dst += RPC * PITCH;
-          key += RPC;
-          k_src += copy_step;
-          v_src += copy_step;
-        }
+        copy_row_pair_async<T, kKeyBlock / RPC, RPC, PITCH>(
+            kv_ring + stage * Cfg::STAGE_BYTES + copy_row * PITCH + copy_chunk * 16, Cfg::KV_TILE_BYTES, k, v,
+            kv_off + static_cast<int64_t>(block * kKeyBlock + copy_row) * p.kv_stride_token + copy_chunk * kChunkElems,
+            p.kv_stride_token, block * kKeyBlock + copy_row, kv_len);
       };
 
       // Prologue: Q, dO with key block 0 (group 0), then blocks 1 .. STAGES-2.
@@ -600,7 +546,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = warp_row0 + g + 8 * hh;
-        const int64_t off = lse_base + static_cast<int64_t>(head) * p.lse_stride_head + i;
+        const int64_t off = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + i;
         lse_l2[hh] = i < q_len ? __fmul_rn(p.lse[off], kLog2e) : 0.f;
         delta_r[hh] = i < q_len ? gp.delta[off] : 0.f;
         last_key[hh] = p.causal && first_pos + i < kv_len ? first_pos + i : kv_len - 1;
@@ -698,8 +644,7 @@ gpuError_t launch_bwd(const AttentionGradProblem& gp, gpuStream_t stream) {
   const AttentionProblem& p = gp.fwd;
   const int64_t group = p.heads_q / p.heads_kv;
   const unsigned seq_grid = grid_dim(p.num_seqs, 65535);
-  // scale * log2(e), rounded once: exp(scale s - lse) = 2^(s scale log2(e) - lse log2(e)).
-  const float scale_log2 = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
+  const float scale_log2 = scale_log2e(p);  // exp(scale s - lse) = 2^(s scale_log2 - lse log2(e))
 
   const dim3 delta_grid(grid_dim(ceil_div(p.max_q_len, Delta::ROWS), INT32_MAX),
                         static_cast<unsigned>(p.heads_q), seq_grid);

@@ -1,5 +1,5 @@
 // What the sm80 attention kernels (attention_sm80.cu forward, attention_sm80_bwd.cu backward) ask
-// of a problem, checked in one place. Host code, torch-free.
+// of a problem, checked in one place (host), and the tile copy they share (device). Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +40,37 @@ inline gpuError_t sm80_attention_problem_error(DType dtype, const AttentionProbl
   }
   return cudaSuccess;
 }
+
+// scale * log2(e), rounded once: the kernels take exp(scale s - m) as 2^(s scale log2(e) - m log2(e)).
+inline float scale_log2e(const AttentionProblem& p) {
+  return static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
+}
+
+#ifdef RL_ALIGN_SM80_DEVICE
+// Copies one 16-byte chunk of COPIES rows, ROWS_PER_COPY apart, from each of two tensors with one
+// layout (K and V, or Q and dO) into two shared tiles `second_tile` bytes apart: source rows
+// row, row + ROWS_PER_COPY, ... at element offset `offset` + r * row_stride, destination rows
+// PITCH bytes apart from `dst`. Rows at or past `limit` are zero fill and read nothing (the
+// source address is then the tensor's base, a valid one). Pointers advance by one step per copy
+// rather than being COPIES separate offsets, which keeps the copy's registers few.
+template <typename T, int COPIES, int ROWS_PER_COPY, int PITCH, int UNROLL = COPIES>
+__device__ __forceinline__ void copy_row_pair_async(uint32_t dst, uint32_t second_tile, const T* a, const T* b,
+                                                    int64_t offset, int64_t row_stride, int row, int limit) {
+  const int64_t step = ROWS_PER_COPY * row_stride;
+  const T* a_src = a + offset;
+  const T* b_src = b + offset;
+#pragma unroll UNROLL
+  for (int c = 0; c < COPIES; ++c) {
+    const bool in_range = row < limit;
+    cp_async_16_zfill(dst, in_range ? a_src : a, in_range ? 16 : 0);
+    cp_async_16_zfill(dst + second_tile, in_range ? b_src : b, in_range ? 16 : 0);
+    dst += ROWS_PER_COPY * PITCH;
+    row += ROWS_PER_COPY;
+    a_src += step;
+    b_src += step;
+  }
+}
+#endif  // RL_ALIGN_SM80_DEVICE
 
 }  // namespace rl_align
 #endif  // !RL_ALIGN_HIP
