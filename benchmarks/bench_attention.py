@@ -14,7 +14,6 @@ target (never asserts). --quick: tiny shapes (CPU smoke test).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -24,7 +23,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rl_engine_ext  # noqa: E402
-from benchmarks.common import CsvWriter, bench, device_info, measure_copy_bandwidth  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    CsvWriter, bench, bench_arg_parser, device_info, grouped_bars, measure_copy_bandwidth, median_of, pyplot,
+    save_figure,
+)
 
 HQ, HKV = 32, 8
 
@@ -64,13 +66,8 @@ def fwd_bwd(fn, q, k, v, dout):
 def plot(rows: list[dict], path: str, title: str, copy_tbps: float) -> bool:
     """Three panels: fwd and fwd+bwd TFLOP/s per shape, decode K/V read rate per KV length
     (copy bandwidth dashed); one bar per provider."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     panels = [("fwd", "TFLOPs", "TFLOP/s"), ("fwd+bwd", "TFLOPs", "TFLOP/s"), ("decode", "bandwidth_TBps", "K/V read TB/s")]
     panels = [pn for pn in panels if any(r["mode"] == pn[0] and r["metric"] == pn[1] for r in rows)]
@@ -81,31 +78,18 @@ def plot(rows: list[dict], path: str, title: str, copy_tbps: float) -> bool:
         sel = [r for r in rows if r["mode"] == mode and r["metric"] == metric]
         shapes = list(dict.fromkeys(r["shape"] for r in sel))
         providers = list(dict.fromkeys(r["provider"] for r in sel))
-        width = 0.8 / len(providers)
-        for k, provider in enumerate(providers):
-            vals = [next((float(r["median"]) for r in sel if r["shape"] == s and r["provider"] == provider), 0.0)
-                    for s in shapes]
-            ax.bar([i + k * width for i in range(len(shapes))], vals, width, label=provider, color=f"C{k}")
+        grouped_bars(ax, shapes, [(pr, [median_of(sel, shape=s, provider=pr) for s in shapes]) for pr in providers])
         if mode == "decode":
             ax.axhline(copy_tbps, color="black", linewidth=1, linestyle="--", label="copy bandwidth")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
-        ax.set_xticklabels(shapes, rotation=20, ha="right", fontsize=7)
         ax.set_title(mode)
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path, title)
     return True
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    parser.add_argument("--tag", default=None, help="file-name tag (default: the device name)")
+    parser = bench_arg_parser(__doc__)
     args = parser.parse_args()
     device = args.device
     if args.quick:

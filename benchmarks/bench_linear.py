@@ -23,7 +23,6 @@ that raises torch.cuda.OutOfMemoryError is skipped with a printed note and write
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -34,7 +33,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
-from benchmarks.common import CsvWriter, bench, device_info, measure_copy_bandwidth, measure_matmul_peak  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    CsvWriter, bench, bench_arg_parser, device_info, grouped_bars, measure_copy_bandwidth, measure_matmul_peak,
+    median_of, pyplot, save_figure,
+)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -62,13 +64,8 @@ def geomean(values: list[float]) -> float:
 
 def plot(rows: list[dict], path: str, title: str) -> bool:
     """One panel per mode: ratio vs cuBLAS per shape, one bar per M; targets dashed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in rows if r["metric"] == "ratio_vs_cublas"]
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
@@ -79,31 +76,19 @@ def plot(rows: list[dict], path: str, title: str) -> bool:
         sel = [r for r in rows if r["mode"] == mode]
         nk = list(dict.fromkeys(re.sub(r"^M\d+_", "", r["shape"]) for r in sel))
         ms = sorted({int(re.match(r"M(\d+)_", r["shape"]).group(1)) for r in sel})
-        width = 0.8 / max(1, len(ms))
-        for i, m in enumerate(ms):
-            vals = [next((float(r["median"]) for r in sel if r["shape"] == f"M{m}_{s}"), 0.0) for s in nk]
-            ax.bar([j + i * width for j in range(len(nk))], vals, width, label=f"M={m}", color=f"C{i}")
+        grouped_bars(ax, nk, [(f"M={m}", [median_of(sel, shape=f"M{m}_{s}") for s in nk]) for m in ms], rotation=30)
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="cuBLAS")
         for target in ((0.90, 0.85) if mode == "fwd" else (0.85,)):
             ax.axhline(target, color="red", linewidth=1, linestyle=":", label=f"target {target:.2f}")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(nk))])
-        ax.set_xticklabels(nk, rotation=30, ha="right", fontsize=7)
         ax.set_title(mode)
         ax.set_ylabel("cuBLAS time / ours (higher is better)")
         ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path, title)
     return True
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
-    parser.add_argument("--tag", default=None, help="file-name tag (default: the device name)")
+    parser = bench_arg_parser(__doc__)
     parser.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
     parser.add_argument("--ms", default=None, help="comma list of M values")
     parser.add_argument("--modes", default=",".join(MODES))

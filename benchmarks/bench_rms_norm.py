@@ -11,7 +11,6 @@ call; fwd+bwd >= 0.70 of copy bandwidth at M=16384.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -22,7 +21,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
-from benchmarks.common import CsvWriter, bench, bench_wall, device_info, measure_copy_bandwidth, plot_fraction_of_limit  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    CsvWriter, bench, bench_arg_parser, bench_wall, device_info, measure_copy_bandwidth, plot_fraction_of_limit,
+)
 
 EPS = 1e-6
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -41,11 +42,7 @@ def bytes_moved(mode: str, rows: int, hidden: int, elem: int) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
-    parser.add_argument("--tag", default=None, help="file-name tag (default: the device name)")
+    parser = bench_arg_parser(__doc__)
     args = parser.parse_args()
     device = args.device
     row_counts = [1, 64] if args.quick else [1, 64, 4096, 16384]

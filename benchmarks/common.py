@@ -6,6 +6,7 @@ physical limit (bytes moved / measured copy bandwidth, or FLOPs / measured matmu
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import platform
@@ -118,9 +119,18 @@ class CsvWriter:
             writer.writerows(self.rows)
 
 
-def plot_fraction_of_limit(rows: Iterable[dict[str, object]], path: str, title: str) -> bool:
-    """One panel per (dtype, mode): frac_of_copy per shape and provider, the limit at 1.0.
-    Returns False (and draws nothing) when matplotlib is missing."""
+def bench_arg_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark script takes: --device, --out, --quick, --tag."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
+    parser.add_argument("--tag", default=None, help="file-name tag (default: the device name)")
+    return parser
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (after saying so) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -128,6 +138,38 @@ def plot_fraction_of_limit(rows: Iterable[dict[str, object]], path: str, title: 
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot")
+        return None
+    return plt
+
+
+def median_of(rows: Iterable[dict[str, object]], **match: object) -> float:
+    """The median of the first row whose fields equal `match` (0.0 if none: a missing bar)."""
+    return next((float(r["median"]) for r in rows if all(r[k] == v for k, v in match.items())), 0.0)
+
+
+def grouped_bars(ax, groups: list[str], series: list[tuple[str, list[float]]], *,
+                 colors: dict[str, str] | None = None, rotation: int = 20) -> None:
+    """One bar per series in every group, the groups' labels as x ticks."""
+    width = 0.8 / max(1, len(series))
+    for k, (label, values) in enumerate(series):
+        color = (colors or {}).get(label, f"C{k}")
+        ax.bar([i + k * width for i in range(len(groups))], values, width, label=label, color=color)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels(groups, rotation=rotation, ha="right", fontsize=7)
+
+
+def save_figure(plt, fig, path: str, title: str) -> None:
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_fraction_of_limit(rows: Iterable[dict[str, object]], path: str, title: str) -> bool:
+    """One panel per (dtype, mode): frac_of_copy per shape and provider, the limit at 1.0.
+    Returns False (and draws nothing) when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in rows if r["metric"] == "frac_of_copy"]
     panels = sorted({(r["dtype"], r["mode"]) for r in rows})
@@ -140,18 +182,11 @@ def plot_fraction_of_limit(rows: Iterable[dict[str, object]], path: str, title: 
         sel = [r for r in rows if r["dtype"] == dtype and r["mode"] == mode]
         shapes = list(dict.fromkeys(r["shape"] for r in sel))
         providers = sorted({r["provider"] for r in sel})
-        width = 0.8 / max(1, len(providers))
-        for k, provider in enumerate(providers):
-            vals = [next((float(r["median"]) for r in sel if r["shape"] == s and r["provider"] == provider), 0.0) for s in shapes]
-            ax.bar([i + k * width for i in range(len(shapes))], vals, width, label=provider, color=colors[provider])
+        series = [(pr, [median_of(sel, shape=s, provider=pr) for s in shapes]) for pr in providers]
+        grouped_bars(ax, shapes, series, colors=colors, rotation=45)
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="copy bandwidth")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
-        ax.set_xticklabels(shapes, rotation=45, ha="right", fontsize=7)
         ax.set_title(f"{dtype} {mode}")
         ax.set_ylabel("fraction of copy bandwidth")
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path, title)
     return True
