@@ -148,14 +148,23 @@ struct FwdScratch {
   bool updates[kRowTile];  // whether the block holds an allowed key for the row
 };
 
+// Query tile [i0, i0 + rows) of head h: its rows (up to kRowTile), rows padded to the
+// micro-kernel, and the element offsets of its first query and of its kv head's key 0.
+struct QueryTile {
+  int64_t rows, rows_pad, q_offset, kv_offset;
+};
+
+QueryTile query_tile(const AttentionProblem& p, const AttentionSeq& sq, int64_t h, int64_t i0) {
+  const int64_t rows = std::min(kRowTile, sq.q_len - i0);
+  const int64_t kv_head = h / (p.heads_q / p.heads_kv);
+  return {rows, ceil_div(rows, kMicroRows) * kMicroRows, sq.q_base + h * p.q_stride_head + i0 * p.q_stride_token,
+          sq.kv_base + kv_head * p.kv_stride_head};
+}
+
 template <typename T>
 void fwd_tile(const AttentionProblem& p, FwdScratch& w, const AttentionSeq& sq, int64_t h, int64_t i0) {
   const int64_t dim = p.head_dim, dim_pad = w.dim_pad;
-  const int64_t rows = std::min(kRowTile, sq.q_len - i0);
-  const int64_t rows_pad = ceil_div(rows, kMicroRows) * kMicroRows;
-  const int64_t kv_head = h / (p.heads_q / p.heads_kv);
-  const int64_t q_offset = sq.q_base + h * p.q_stride_head + i0 * p.q_stride_token;
-  const int64_t kv_offset = sq.kv_base + kv_head * p.kv_stride_head;
+  const auto [rows, rows_pad, q_offset, kv_offset] = query_tile(p, sq, h, i0);
   const T* k = static_cast<const T*>(p.k) + kv_offset;
   const T* v = static_cast<const T*>(p.v) + kv_offset;
   load_row_panels<kMicroRows>(static_cast<const T*>(p.q) + q_offset, p.q_stride_token, rows, rows_pad, dim,
@@ -284,11 +293,7 @@ template <typename T>
 void dq_tile(const AttentionGradProblem& g, GradScratch& w, const AttentionSeq& sq, int64_t h, int64_t i0) {
   const AttentionProblem& p = g.fwd;
   const int64_t dim = p.head_dim, dim_pad = w.dim_pad;
-  const int64_t rows = std::min(kRowTile, sq.q_len - i0);
-  const int64_t rows_pad = ceil_div(rows, kMicroRows) * kMicroRows;
-  const int64_t kv_head = h / (p.heads_q / p.heads_kv);
-  const int64_t q_offset = sq.q_base + h * p.q_stride_head + i0 * p.q_stride_token;
-  const int64_t kv_offset = sq.kv_base + kv_head * p.kv_stride_head;
+  const auto [rows, rows_pad, q_offset, kv_offset] = query_tile(p, sq, h, i0);
   const int64_t lse_offset = sq.lse_base + h * p.lse_stride_head + i0;
   const T* k = static_cast<const T*>(p.k) + kv_offset;
   const T* v = static_cast<const T*>(p.v) + kv_offset;
