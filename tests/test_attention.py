@@ -5,6 +5,7 @@ and empty shapes."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -43,8 +44,9 @@ def _packed(seqs, device):
     return cat, torch.tensor(cu, dtype=torch.int32, device=device)
 
 
-def _padded(seqs, s_max, left: bool):
-    """[B, H, S, D] tensors (padding rows random, never zeros) and the [B, S] mask."""
+def _padded(seqs, s_max, firsts):
+    """[B, H, S, D] tensors holding sequence i at rows firsts[i] .. (padding rows random, never
+    zeros) and the [B, S] mask."""
     b = len(seqs)
     gen = make_generator(123)
     tensors, mask = [], torch.zeros(b, s_max, dtype=torch.bool)
@@ -55,8 +57,7 @@ def _padded(seqs, s_max, left: bool):
             t.zero_()  # padding rows get a zero cotangent
         t = t.to(ref.device)
         for i, s in enumerate(seqs):
-            n = s[0].shape[0]
-            first = s_max - n if left else 0
+            n, first = s[0].shape[0], firsts[i]
             t[i, first : first + n] = s[j]
             mask[i, first : first + n] = True
         tensors.append(t.transpose(1, 2))  # [B, H, S, D]: a strided view, as HF hands it over
@@ -117,25 +118,54 @@ def test_packed_and_padded_equal_alone(device, dtype, causal):
             _assert_equal(g[start:end], a, f"packed d{name}, seq {i}")
 
     s_max = max(lengths) + 3
-    for left in (True, False):
-        (pq, pk, pv, pdout), mask = _padded(seqs, s_max, left)
-        pq, pk, pv = (t.detach().requires_grad_() for t in (pq, pk, pv))
-        pout, plse = rl_engine_ext.attention(pq, pk, pv, mask, causal=causal, return_lse=True)
-        pout.backward(pdout)
-        side = "left" if left else "right"
-        for i, (q_i, *_rest) in enumerate(seqs):
-            n = q_i.shape[0]
-            rows = slice(s_max - n, s_max) if left else slice(0, n)
-            a_out, a_lse, a_grads = alone[i]
-            _assert_equal(pout[i, :, rows].transpose(0, 1), a_out, f"{side}-padded out, seq {i}")
-            _assert_equal(plse[i, :, rows], a_lse, f"{side}-padded lse, seq {i}")
-            for name, g, a in zip("qkv", (pq.grad, pk.grad, pv.grad), a_grads):
-                _assert_equal(g[i, :, rows].transpose(0, 1), a, f"{side}-padded d{name}, seq {i}")
-            pad = torch.ones(s_max, dtype=torch.bool, device=device)
-            pad[rows] = False
-            assert torch.all(pout[i, :, pad] == 0) and torch.all(plse[i, :, pad] == float("-inf"))
-            for g in (pq.grad, pk.grad, pv.grad):
-                assert torch.all(g[i, :, pad] == 0), "padding rows must get zero gradients"
+    _check_padded(seqs, alone, s_max, [s_max - q.shape[0] for q, *_ in seqs], causal, "left-padded")
+    _check_padded(seqs, alone, s_max, [0] * len(seqs), causal, "right-padded")
+
+
+def _check_padded(seqs, alone, s_max, firsts, causal, what):
+    """The padded op on the sequences placed at rows firsts[i] of their batch rows: each one's
+    out, lse and gradients equal its batch-of-one run; padding rows get 0 out, -inf lse, 0 grads."""
+    (pq, pk, pv, pdout), mask = _padded(seqs, s_max, firsts)
+    pq, pk, pv = (t.detach().requires_grad_() for t in (pq, pk, pv))
+    pout, plse = rl_engine_ext.attention(pq, pk, pv, mask, causal=causal, return_lse=True)
+    pout.backward(pdout)
+    for i, (q_i, *_rest) in enumerate(seqs):
+        rows = slice(firsts[i], firsts[i] + q_i.shape[0])
+        a_out, a_lse, a_grads = alone[i]
+        _assert_equal(pout[i, :, rows].transpose(0, 1), a_out, f"{what} out, seq {i}")
+        _assert_equal(plse[i, :, rows], a_lse, f"{what} lse, seq {i}")
+        for name, g, a in zip("qkv", (pq.grad, pk.grad, pv.grad), a_grads):
+            _assert_equal(g[i, :, rows].transpose(0, 1), a, f"{what} d{name}, seq {i}")
+        pad = torch.ones(s_max, dtype=torch.bool, device=pout.device)
+        pad[rows] = False
+        assert torch.all(pout[i, :, pad] == 0) and torch.all(plse[i, :, pad] == float("-inf"))
+        for g in (pq.grad, pk.grad, pv.grad):
+            assert torch.all(g[i, :, pad] == 0), "padding rows must get zero gradients"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_packing_and_padding(device, dtype, seed):
+    """Random lengths, packing order and padding (each sequence's run of real tokens anywhere in
+    its row): every sequence's out, lse and gradients equal its batch-of-one run."""
+    rng = random.Random(seed)
+    hq, hkv, d, lengths = _config(device, dtype)
+    lens = [rng.randint(1, max(lengths)) for _ in range(rng.randint(2, 6))]
+    seqs = _sequences(lens, hq, hkv, d, dtype, device, seed=1000 * (seed + 1))
+    alone = _alone(seqs)
+
+    order = rng.sample(range(len(seqs)), len(seqs))
+    (q, k, v, dout), cu = _packed([seqs[i] for i in order], device)
+    out, lse, grads = _run_varlen(q, k, v, dout, cu)
+    for slot, i in enumerate(order):
+        start, end = cu[slot].item(), cu[slot + 1].item()
+        _assert_equal(out[start:end], alone[i][0], f"packed out, seq {i} in slot {slot}")
+        _assert_equal(lse[:, start:end], alone[i][1], f"packed lse, seq {i} in slot {slot}")
+        for name, g, a in zip("qkv", grads, alone[i][2]):
+            _assert_equal(g[start:end], a, f"packed d{name}, seq {i} in slot {slot}")
+
+    s_max = max(lens) + rng.randint(0, 40)
+    firsts = [rng.randint(0, s_max - n) for n in lens]
+    _check_padded(seqs, alone, s_max, firsts, True, f"padded at {firsts}")
 
 
 def test_harness_over_the_batch_dimension(device, dtype):
