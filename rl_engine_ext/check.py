@@ -1,205 +1,195 @@
-"""``python -m rl_engine_ext.check``: the status matrix of every op on the devices at hand.
+"""``python -m rl_engine_ext.check``: the status matrix of every registered op on the devices at hand.
 
-For each op x device x dtype it runs the invariance harness (forward rows, row gradients,
-weight-gradient run-to-run / padding / chaining checks) and the Axis-B accuracy check against
-the fp32 ground truth, then prints one line per case with the max diffs, and the first failing
-op. Exit status 0 when everything passes, 1 otherwise.
+For each op x device x dtype x shape of the op registry it runs the invariance harness (forward
+rows, row gradients, weight-gradient run-to-run / padding / chaining checks, plus the op's own
+checks such as KV-cache decode vs prefill) and the Axis-B accuracy check against the fp32 ground
+truth, judged by the contract's tolerance. Output: a table (default), ``--json`` or
+``--markdown``; exit status 0 when every case passes, 1 when any fails, 2 for a bad command line
+(an unknown op, or a device that is unknown or absent).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from dataclasses import dataclass
-from typing import Callable
+import time
+from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
 
 import torch
 
 import rl_engine_ext
 from rl_engine_ext import contract, testing
-from rl_engine_ext.ops import attention as attention_mod
-from rl_engine_ext.ops import linear as linear_mod
-from rl_engine_ext.ops import rms_norm as rms_mod
+from rl_engine_ext.ops import SPECS, OpSpec
 
 
 @dataclass
 class CaseResult:
     op: str
     device: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+    dtype: str
+    shape: dict[str, int]
     implementation: str  # "native" or "reference"
     forward_invariant: bool
     backward_invariant: bool
     accuracy_ok: bool
     max_invariance_diff: float
-    max_accuracy_diff: float
+    max_abs_error: float
+    atol: float
+    rtol: float
+    # max |err| / (atol + rtol |truth|): the fraction of the allowed error used (<= 1 passes).
+    error_vs_tolerance: float
     detail: str
 
     @property
     def ok(self) -> bool:
         return self.forward_invariant and self.backward_invariant and self.accuracy_ok
 
+    @property
+    def shape_label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.shape.items())
 
-def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
-
-def check_rms_norm(device: str, dtype: torch.dtype, rows: int, hidden: int, eps: float = 1e-6) -> CaseResult:
-    x = _randn((rows, hidden), dtype, device, seed=rows) * 2
-    weight = _randn((hidden,), dtype, device, seed=hidden) * 0.5 + 1
-
-    def chain(row_inputs, cotangents, accum):
-        _, dweight = rl_engine_ext.rms_norm_backward(
-            cotangents[0], row_inputs[0], weight, eps, None if accum is None else accum["weight"]
-        )
-        return {"weight": dweight}
-
+def run_case(spec: OpSpec, device: str, dtype: torch.dtype, shape: Mapping[str, int]) -> CaseResult:
+    case = spec.invariance_case(device, dtype, **shape)
     report = testing.check_invariance(
-        lambda x, weight: rl_engine_ext.rms_norm(x, weight, eps),
-        [x],
-        {"weight": weight},
-        weight_grad_tile=rl_engine_ext.rms_norm_tile_rows(hidden),
-        weight_grad_chain=chain,
+        case.fn, case.rows, case.params, weight_grad_tile=case.weight_grad_tile, weight_grad_chain=case.weight_grad_chain
     )
-    forward_drifts = [d for d in report.drifts if d.tensor.startswith("out")]
-    backward_drifts = [d for d in report.drifts if not d.tensor.startswith("out")]
-    got = rl_engine_ext.rms_norm(x, weight, eps).float()
-    truth = rms_mod.reference_forward_fp32(x, weight, eps)
-    tol = contract.tolerance("rms_norm", dtype, "forward")
-    accuracy_ok = bool(torch.allclose(got, truth, atol=tol.atol, rtol=tol.rtol))
+    forward = [d for d in report.drifts if d.tensor.startswith("out")]
+    backward = [d for d in report.drifts if not d.tensor.startswith("out")]
+    if case.extra_forward is not None:
+        forward += case.extra_forward()
+    got, truth = case.accuracy()
+    got = got.float()
+    tol = contract.tolerance(spec.name, dtype, "forward")
+    err = (got - truth).abs()
+    allowed = tol.atol + tol.rtol * truth.abs()
+    drifts = forward + backward
     return CaseResult(
-        op="rms_norm",
+        op=spec.name,
         device=device,
-        dtype=dtype,
-        shape=(rows, hidden),
-        implementation="native" if rl_engine_ext.has_native_kernel("rms_norm", device) else "reference",
-        forward_invariant=not forward_drifts,
-        backward_invariant=not backward_drifts,
-        accuracy_ok=accuracy_ok,
-        max_invariance_diff=max((d.max_abs for d in report.drifts), default=0.0),
-        max_accuracy_diff=(got - truth).abs().max().item() if got.numel() else 0.0,
-        detail="" if report.ok else str(report.drifts[0]),
-    )
-
-
-def check_linear(device: str, dtype: torch.dtype, rows: int, out_features: int, in_features: int) -> CaseResult:
-    x = _randn((rows, in_features), dtype, device, seed=rows)
-    weight = _randn((out_features, in_features), dtype, device, seed=in_features) * in_features**-0.5
-    bias = _randn((out_features,), dtype, device, seed=out_features)
-
-    def chain(row_inputs, cotangents, accum):
-        dy, x_rows = cotangents[0], row_inputs[0]
-        return {
-            "weight": rl_engine_ext.linear_grad_weight(dy, x_rows, None if accum is None else accum["weight"]),
-            "bias": rl_engine_ext.linear_grad_bias(dy, None if accum is None else accum["bias"]),
-        }
-
-    report = testing.check_invariance(
-        lambda x, weight, bias: rl_engine_ext.linear(x, weight, bias),
-        [x],
-        {"weight": weight, "bias": bias},
-        weight_grad_tile=rl_engine_ext.LINEAR_GRAD_TILE_TOKENS,
-        weight_grad_chain=chain,
-    )
-    forward_drifts = [d for d in report.drifts if d.tensor.startswith("out")]
-    backward_drifts = [d for d in report.drifts if not d.tensor.startswith("out")]
-    got = rl_engine_ext.linear(x, weight, bias).float()
-    truth = linear_mod.reference_forward_fp32(x, weight, bias)
-    tol = contract.tolerance("linear", dtype, "forward")
-    return CaseResult(
-        op="linear",
-        device=device,
-        dtype=dtype,
-        shape=(rows, out_features, in_features),
-        implementation="native" if rl_engine_ext.has_native_kernel("linear", device) else "reference",
-        forward_invariant=not forward_drifts,
-        backward_invariant=not backward_drifts,
+        dtype=str(dtype).removeprefix("torch."),
+        shape=dict(shape),
+        implementation="native" if rl_engine_ext.has_native_kernel(spec.ops[0].name, device) else "reference",
+        forward_invariant=not forward,
+        backward_invariant=not backward,
         accuracy_ok=bool(torch.allclose(got, truth, atol=tol.atol, rtol=tol.rtol)),
-        max_invariance_diff=max((d.max_abs for d in report.drifts), default=0.0),
-        max_accuracy_diff=(got - truth).abs().max().item() if got.numel() else 0.0,
-        detail="" if report.ok else str(report.drifts[0]),
-    )
-
-
-def check_attention(device: str, dtype: torch.dtype, batch: int, heads_q: int, heads_kv: int, seq: int,
-                    head_dim: int) -> CaseResult:
-    """The harness over the batch of sequences (batch of 1, sub-batches, padding with other
-    sequences, chunks, repeats, per-sequence gradients), plus KV-cache decode of every sequence's
-    last position against its prefill row; accuracy against the fp32 ground truth."""
-    q = _randn((batch, heads_q, seq, head_dim), dtype, device, seed=seq)
-    k = _randn((batch, heads_kv, seq, head_dim), dtype, device, seed=seq + 1)
-    v = _randn((batch, heads_kv, seq, head_dim), dtype, device, seed=seq + 2)
-    report = testing.check_invariance(lambda q, k, v: rl_engine_ext.attention(q, k, v), [q, k, v])
-    forward_drifts = [d for d in report.drifts if d.tensor.startswith("out")]
-    backward_drifts = [d for d in report.drifts if not d.tensor.startswith("out")]
-    got = rl_engine_ext.attention(q, k, v)
-    lens = torch.full((batch,), seq, dtype=torch.int32, device=device)
-    decode = rl_engine_ext.attention_kvcache(q[:, :, -1:], k, v, lens)
-    drift = testing.compare("out", "kvcache_decode[last position]", decode, got[:, :, -1:])
-    if drift is not None:
-        forward_drifts.append(drift)
-    truth = attention_mod.reference_forward_fp32(q, k, v)[0]
-    tol = contract.tolerance("attention", dtype, "forward")
-    drifts = forward_drifts + backward_drifts
-    return CaseResult(
-        op="attention",
-        device=device,
-        dtype=dtype,
-        shape=(batch, heads_q, heads_kv, seq, head_dim),
-        implementation="native" if rl_engine_ext.has_native_kernel("attention", device) else "reference",
-        forward_invariant=not forward_drifts,
-        backward_invariant=not backward_drifts,
-        accuracy_ok=bool(torch.allclose(got.float(), truth, atol=tol.atol, rtol=tol.rtol)),
         max_invariance_diff=max((d.max_abs for d in drifts), default=0.0),
-        max_accuracy_diff=(got.float() - truth).abs().max().item() if got.numel() else 0.0,
-        detail=str(drifts[0]) if drifts else "",
+        max_abs_error=err.max().item() if err.numel() else 0.0,
+        atol=tol.atol,
+        rtol=tol.rtol,
+        error_vs_tolerance=(err / allowed).max().item() if err.numel() else 0.0,
+        detail=str(drifts[0]) if drifts else ("" if torch.allclose(got, truth, atol=tol.atol, rtol=tol.rtol)
+                                              else f"accuracy: max |err| {err.max().item():.3g} beyond atol {tol.atol}, rtol {tol.rtol}"),
     )
-
-
-# op name -> (checker, shapes); each shape is the checker's trailing arguments.
-CHECKS: dict[str, tuple[Callable[..., CaseResult], list[tuple[int, ...]]]] = {
-    "rms_norm": (check_rms_norm, [(257, 4096), (1029, 128)]),
-    "linear": (check_linear, [(257, 512, 1024), (130, 33, 100)]),
-    "attention": (check_attention, [(5, 4, 2, 130, 64), (3, 8, 8, 77, 128)]),
-}
 
 
 def _mark(ok: bool) -> str:
     return "ok" if ok else "FAIL"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", action="append", help="cpu and/or cuda (default: all present)")
-    args = parser.parse_args(argv)
-    devices = args.device or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def _table(results: Sequence[CaseResult]) -> str:
+    head = ["op", "device", "dtype", "shape", "impl", "fwd-inv", "bwd-inv", "accuracy", "max inv diff",
+            "max |err|", "atol/rtol", "of allowed"]
+    rows = [[r.op, r.device, r.dtype, r.shape_label, r.implementation, _mark(r.forward_invariant),
+             _mark(r.backward_invariant), _mark(r.accuracy_ok), f"{r.max_invariance_diff:.3g}", f"{r.max_abs_error:.3g}",
+             f"{r.atol:g}/{r.rtol:g}", f"{r.error_vs_tolerance:.2f}"] for r in results]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(head, widths))]
+    lines.append("-" * len(lines[0]))
+    lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
 
-    print(f"rl_engine_ext: native library {'loaded' if rl_engine_ext.NATIVE_AVAILABLE else 'NOT loaded'}")
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, devices: {', '.join(devices)}")
+
+def _markdown(results: Sequence[CaseResult]) -> str:
+    lines = ["| op | device | dtype | shape | impl | fwd invariance | bwd invariance | accuracy | max invariance diff "
+             "| max abs error | atol / rtol | error / allowed |", "|" + "---|" * 12]
+    for r in results:
+        lines.append(f"| {r.op} | {r.device} | {r.dtype} | {r.shape_label} | {r.implementation} | "
+                     f"{_mark(r.forward_invariant)} | {_mark(r.backward_invariant)} | {_mark(r.accuracy_ok)} | "
+                     f"{r.max_invariance_diff:.3g} | {r.max_abs_error:.3g} | {r.atol:g} / {r.rtol:g} | "
+                     f"{r.error_vs_tolerance:.2f} |")
+    return "\n".join(lines)
+
+
+def _environment(devices: Sequence[str]) -> dict[str, object]:
+    env: dict[str, object] = {
+        "native_library": rl_engine_ext.NATIVE_AVAILABLE,
+        "native_unavailable_reason": rl_engine_ext.NATIVE_UNAVAILABLE_REASON,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "devices": list(devices),
+    }
     if "cuda" in devices:
-        print(f"GPU: {torch.cuda.get_device_name()}")
-    header = f"{'op':<10} {'device':<6} {'dtype':<9} {'shape':<15} {'impl':<9} {'fwd-inv':<8} {'bwd-inv':<8} {'accuracy':<9} {'max inv diff':>12} {'max err':>9}"
-    print(header)
-    print("-" * len(header))
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def _resolve_devices(requested: Sequence[str] | None) -> list[str]:
+    """The device types to check; raises ValueError with a readable message for a device that
+    is unknown or not present here."""
+    if not requested:
+        return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = []
+    for name in requested:
+        try:
+            device_type = torch.device(name).type
+        except RuntimeError:
+            raise ValueError(f"unknown device {name!r} (use cpu or cuda)") from None
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} is not available here: torch {torch.__version__} sees no CUDA device")
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device {name!r}: the status matrix runs on cpu and cuda only")
+        devices.append(device_type)
+    return list(dict.fromkeys(devices))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_engine_ext.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", action="append", help="cpu and/or cuda (repeatable; default: every device present)")
+    parser.add_argument("--ops", nargs="+", metavar="OP", help=f"op families to check (default: all of {', '.join(s.name for s in SPECS)})")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    output.add_argument("--markdown", action="store_true", help="print the matrix as a Markdown table")
+    args = parser.parse_args(argv)
+    try:
+        devices = _resolve_devices(args.device)
+    except ValueError as exc:
+        print(f"rl_engine_ext.check: {exc}", file=sys.stderr)
+        return 2
+    known = {s.name: s for s in SPECS}
+    unknown = [name for name in args.ops or [] if name not in known]
+    if unknown:
+        print(f"rl_engine_ext.check: unknown op {', '.join(unknown)} (known: {', '.join(known)})", file=sys.stderr)
+        return 2
+    specs = [known[name] for name in args.ops] if args.ops else list(SPECS)
+    plan = [(spec, device, dtype, shape) for spec in specs for device in devices
+            for dtype in contract.SUPPORTED_DTYPES for shape in spec.check_shapes]
+
     results: list[CaseResult] = []
-    for op, (checker, shapes) in CHECKS.items():
-        for device in devices:
-            for dtype in contract.SUPPORTED_DTYPES:
-                for shape in shapes:
-                    r = checker(device, dtype, *shape)
-                    results.append(r)
-                    print(
-                        f"{r.op:<10} {r.device:<6} {str(r.dtype).removeprefix('torch.'):<9} "
-                        f"{'x'.join(map(str, r.shape)):<15} {r.implementation:<9} {_mark(r.forward_invariant):<8} "
-                        f"{_mark(r.backward_invariant):<8} {_mark(r.accuracy_ok):<9} "
-                        f"{r.max_invariance_diff:>12.3g} {r.max_accuracy_diff:>9.3g}"
-                    )
+    start = time.perf_counter()
+    for i, (spec, device, dtype, shape) in enumerate(plan):
+        if time.perf_counter() - start > 2.0:  # say what is running once it takes a while
+            label = " ".join(f"{k}={v}" for k, v in shape.items())
+            print(f"[{i + 1}/{len(plan)}] {spec.name} {device} {str(dtype).removeprefix('torch.')} {label}",
+                  file=sys.stderr, flush=True)
+        results.append(run_case(spec, device, dtype, shape))
     failed = [r for r in results if not r.ok]
+
+    if args.json:
+        print(json.dumps({"environment": _environment(devices), "cases": [asdict(r) for r in results],
+                          "passed": not failed, "first_failure": asdict(failed[0]) if failed else None}, indent=1))
+        return 1 if failed else 0
+    env = _environment(devices)
+    print(f"rl_engine_ext: native library {'loaded' if env['native_library'] else 'NOT loaded'}")
+    print(f"torch {env['torch']}, CUDA {env['cuda']}, devices: {', '.join(devices)}" +
+          (f", GPU: {env['gpu']}" if "gpu" in env else ""))
+    print(_markdown(results) if args.markdown else _table(results))
     if failed:
         first = failed[0]
-        print(f"\nFIRST FAILING OP: {first.op} on {first.device} {first.dtype} {first.shape}: {first.detail}")
+        print(f"\nFIRST FAILING OP: {first.op} on {first.device} {first.dtype} {first.shape_label}: {first.detail}")
         return 1
     print(f"\nall {len(results)} cases passed")
     return 0

@@ -1,6 +1,6 @@
 """The numerical contract: the single source of truth for dtypes and tolerances.
 
-Dtype policy (DESIGN.md §3):
+Dtype policy (docs/design.md, "The numerical contract"):
   * bfloat16 is mandatory (the RL training dtype), float32 is the reference and is also
     supported as an input dtype, float16 is supported. Every other dtype (fp8, fp64, integers,
     complex) is rejected with a ``ValueError`` that names the op and the dtype.
@@ -34,7 +34,7 @@ class Tolerance:
 
 
 # (op class, kind) -> dtype -> Tolerance. Starting values from the origin project's published
-# contract (DESIGN.md §3).
+# contract (docs/design.md, "The numerical contract").
 _TOLERANCES: dict[tuple[str, str], dict[torch.dtype, Tolerance]] = {
     ("elementwise", "forward"): {
         torch.float32: Tolerance(1e-5, 1e-5),
@@ -73,14 +73,6 @@ _TOLERANCES: dict[tuple[str, str], dict[torch.dtype, Tolerance]] = {
     },
 }
 
-# Which op class each op's accuracy is judged by.
-OP_CLASS: dict[str, str] = {
-    "rms_norm": "reduction",
-    "linear": "reduction",
-    "attention": "attention",
-}
-
-
 def check_dtype(op: str, dtype: torch.dtype, arg: str = "input") -> None:
     """Raises ValueError naming the op and the dtype unless the dtype is supported."""
     if dtype not in SUPPORTED_DTYPES:
@@ -89,13 +81,16 @@ def check_dtype(op: str, dtype: torch.dtype, arg: str = "input") -> None:
 
 
 def tolerance(op: str, dtype: torch.dtype, kind: str = "forward") -> Tolerance:
-    """The Axis-B tolerance of ``op`` for ``dtype``; ``kind`` is "forward" or "gradient".
+    """The Axis-B tolerance of ``op`` (an op family or any of its schema ops) for ``dtype``;
+    ``kind`` is "forward" or "gradient". The op class comes from the op's registry entry.
 
     Gradients are judged by the op class's own gradient row where it has one (attention), else
     by the "gradient (reduction)" row.
     """
+    from .ops import spec  # the registry imports this module
+
     check_dtype(op, dtype)
-    op_class = OP_CLASS[op]
+    op_class = spec(op).op_class
     if kind == "gradient" and (op_class, kind) not in _TOLERANCES:
         op_class = "reduction"
     return _TOLERANCES[(op_class, kind)][dtype]

@@ -1,6 +1,6 @@
 """attention: invariance (Axis-A) across batch, padding, packing, chunked prefill and KV-cache
-decode, forward and gradients; accuracy (Axis-B); every GPU path; registration, bad input, odd
-and empty shapes."""
+decode, forward and gradients; accuracy (Axis-B); every GPU path; odd and empty shapes.
+Registration, opcheck, compile, bad input and the fallback: tests/test_registry.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ from rl_engine_ext import contract, testing
 from rl_engine_ext.ops import attention as attn
 
 from conftest import make_generator, randn
-
-OPS = ("attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_kvcache")
-
 
 def _config(device: str, dtype: torch.dtype):
     """(Hq, Hkv, D, sequence lengths) per device: lengths on both sides of the 64-key block and
@@ -87,14 +84,6 @@ def _assert_equal(got, want, what):
     if not torch.equal(got, want):
         diff = (got.float() - want.float()).abs()
         raise AssertionError(f"{what}: not bitwise equal (max diff {diff.max().item():.3g}, {int((diff > 0).sum())} elements)")
-
-
-def test_native_kernels_registered():
-    assert rl_engine_ext.NATIVE_AVAILABLE, rl_engine_ext.NATIVE_UNAVAILABLE_REASON
-    for op in OPS:
-        assert rl_engine_ext.has_native_kernel(op, "cpu")
-        if torch.cuda.is_available():
-            assert rl_engine_ext.has_native_kernel(op, "cuda")
 
 
 # ------------------------------------------------------------------------------------------
@@ -373,83 +362,24 @@ def test_empty_shapes(device):
     assert out.shape == (1, 2, 0, 64)
 
 
-def test_bad_input(device):
-    dt = torch.bfloat16
-    q = torch.randn(2, 4, 8, 64, device=device, dtype=dt)
-    kv = torch.randn(2, 2, 8, 64, device=device, dtype=dt)
-    with pytest.raises(ValueError, match="unsupported dtype"):
-        rl_engine_ext.attention(q.to(torch.float64), kv.double(), kv.double())
-    with pytest.raises(ValueError, match="differs from q dtype"):
-        rl_engine_ext.attention(q, kv.float(), kv.float())
-    with pytest.raises(ValueError, match="multiple of key/value heads"):
-        rl_engine_ext.attention(q, q[:, :3], q[:, :3])
-    with pytest.raises(ValueError, match="head_dim"):
-        rl_engine_ext.attention(q, kv[..., :32], kv[..., :32])
-    with pytest.raises(ValueError, match="4-D"):
-        rl_engine_ext.attention(q[0], kv[0], kv[0])
-    with pytest.raises(ValueError, match="one run"):
-        rl_engine_ext.attention(q, kv, kv, torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1]] * 2, device=device))
-    with pytest.raises(ValueError, match="padding_mask must have shape"):
-        rl_engine_ext.attention(q, kv, kv, torch.ones(2, 7, dtype=torch.bool, device=device))
-    with pytest.raises(ValueError, match="scale must be finite"):
-        rl_engine_ext.attention(q, kv, kv, scale=float("nan"))
-    qp, kvp = q[0].transpose(0, 1).contiguous(), kv[0].transpose(0, 1).contiguous()  # [8, H, D]
-    for cu, msg in (([0, 3, 2, 8], "non-decreasing"), ([0, 3, 7], "end at the token count"), ([1, 8], "start at 0")):
-        with pytest.raises(ValueError, match=msg):
-            rl_engine_ext.attention_varlen(qp, kvp, kvp, torch.tensor(cu, dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="int32 or torch.int64"):
-        rl_engine_ext.attention_varlen(qp, kvp, kvp, torch.tensor([0.0, 8.0], device=device))
-    with pytest.raises(ValueError, match="max_seqlen"):
-        rl_engine_ext.attention_varlen(qp, kvp, kvp, torch.tensor([0, 8], dtype=torch.int32, device=device), 4)
-    for lens in ([0, 8], [9, 8]):  # fewer than the new tokens; more than the cache
-        with pytest.raises(ValueError, match="cache_seqlens"):
-            rl_engine_ext.attention_kvcache(q[:, :, :2], kv, kv, torch.tensor(lens, device=device))
-
-
-def test_kvcache_and_backward_ops_are_not_differentiable(device):
-    q = torch.randn(1, 2, 1, 64, device=device, requires_grad=True)
-    kc = torch.randn(1, 2, 4, 64, device=device)
-    out = rl_engine_ext.attention_kvcache(q, kc, kc, torch.tensor([4], device=device))
-    with pytest.raises(RuntimeError):
-        out.sum().backward()
-
-
-def test_reference_fallback_matches_native(device, monkeypatch):
-    """Without the native library the public functions run the references (autograd included)."""
+def test_references_match_native_within_contract(device):
+    """The references (the kernels of the no-native fallback), forward and backward, padded with
+    a mask and packed, agree with the native ops within the fp32 contract."""
+    tol = contract.tolerance("attention", torch.float32, "gradient")
     q, k, v = (randn(2, h, 33, 64, dtype=torch.float32, device=device, seed=i) for i, h in enumerate((4, 2, 2)))
-    native = rl_engine_ext.attention(q, k, v)
-    monkeypatch.setattr(attn, "NATIVE_AVAILABLE", False)
-    leaf = q.detach().requires_grad_()
-    fallback = rl_engine_ext.attention(leaf, k, v)
-    fallback.sum().backward()
-    torch.testing.assert_close(fallback, native, atol=1e-5, rtol=1e-5)
-    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
-
-
-# ------------------------------------------------------------------------------------------
-# Registration: opcheck, torch.compile
-# ------------------------------------------------------------------------------------------
-
-
-def test_opcheck(device, dtype):
-    q, k, v = (randn(2, h, 20, 64, dtype=dtype, device=device, seed=i) for i, h in enumerate((4, 2, 2)))
-    mask = torch.ones(2, 20, dtype=torch.bool, device=device)
-    mask[0, :5] = False
-    ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.rl_align.attention.default, (ql, kl, vl, None, None, True))
-    torch.library.opcheck(torch.ops.rl_align.attention.default, (ql, kl, vl, mask, 0.2, False))
-    qp, kp, vp = (t[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
-    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
-    torch.library.opcheck(torch.ops.rl_align.attention_varlen.default, (qp, kp, vp, cu, None, None, True))
-    torch.library.opcheck(torch.ops.rl_align.attention_kvcache.default,
-                          (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None))
-
-
-def test_torch_compile(device):
-    q, k, v = (randn(2, h, 24, 64, dtype=torch.float32, device=device, seed=i) for i, h in enumerate((4, 2, 2)))
-
-    def f(q, k, v):
-        return rl_engine_ext.attention(q, k, v) * 2
-
-    compiled = torch.compile(f, fullgraph=True)
-    _assert_equal(compiled(q, k, v), f(q, k, v), "compiled vs eager")
+    dout = randn(2, 4, 33, 64, dtype=torch.float32, device=device, seed=5)
+    mask = torch.ones(2, 33, dtype=torch.bool, device=device)
+    mask[1, :9] = False
+    out, lse = torch.ops.rl_align.attention(q, k, v, mask, None, True)
+    ref_out, ref_lse = attn.reference_forward(q, k, v, mask)
+    torch.testing.assert_close(ref_out, out, atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(ref_lse, lse, atol=tol.atol, rtol=tol.rtol)
+    args = (dout, q, k, v, out, lse, mask, 0.125, True)
+    for got, want in zip(attn.reference_backward(*args), torch.ops.rl_align.attention_backward(*args)):
+        torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)
+    qp, kp, vp, dp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v, dout))
+    cu = torch.tensor([0, 12, 12, 33], dtype=torch.int32, device=device)
+    out, lse = torch.ops.rl_align.attention_varlen(qp, kp, vp, cu, None, None, True)
+    args = (dp, qp, kp, vp, out, lse, cu, None, 0.125, True)
+    for got, want in zip(attn.reference_varlen_backward(*args), torch.ops.rl_align.attention_varlen_backward(*args)):
+        torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)

@@ -1,29 +1,84 @@
-"""python -m rl_engine_ext.check: the status matrix passes on this machine and names the first
-failing op when one fails."""
+"""python -m rl_engine_ext.check: the status matrix over the registry passes on this machine, has
+labelled shapes and tolerances, speaks JSON and Markdown, names the first failing op, and says
+clearly (exit 2, no traceback) when a device or op is unknown or absent."""
 
-from rl_engine_ext import check
+import json
+
+import pytest
+import torch
+
+from rl_engine_ext import check, contract
+from rl_engine_ext.ops import SPECS
+from rl_engine_ext.ops._spec import InvarianceCase, OpSpec
 
 
-def test_status_matrix_passes_on_cpu(capsys):
-    assert check.main(["--device", "cpu"]) == 0
+def test_json_matrix_covers_every_registered_op_and_passes_on_cpu(capsys):
+    assert check.main(["--device", "cpu", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["passed"] and doc["first_failure"] is None and doc["environment"]["devices"] == ["cpu"]
+    expected = {(s.name, str(d).removeprefix("torch."), tuple(sorted(shape.items())))
+                for s in SPECS for d in contract.SUPPORTED_DTYPES for shape in s.check_shapes}
+    got = {(c["op"], c["dtype"], tuple(sorted(c["shape"].items()))) for c in doc["cases"]}
+    assert got == expected
+    for c in doc["cases"]:
+        assert c["implementation"] == "native" and c["forward_invariant"] and c["backward_invariant"] and c["accuracy_ok"]
+        tol = contract.tolerance(c["op"], getattr(torch, c["dtype"]), "forward")
+        assert (c["atol"], c["rtol"]) == (tol.atol, tol.rtol) and 0 <= c["error_vs_tolerance"] <= 1
+
+
+def test_table_and_markdown_label_shapes(capsys):
+    assert check.main(["--device", "cpu", "--ops", "rms_norm"]) == 0
     out = capsys.readouterr().out
-    for op in ("rms_norm", "linear", "attention"):
-        rows = [line for line in out.splitlines() if line.startswith(op)]
-        assert len(rows) == 2 * 3, op  # two shapes x three dtypes
-        assert all(line.split()[4:8] == ["native", "ok", "ok", "ok"] for line in rows), op
-    assert "all 18 cases passed" in out
+    assert "rows=257 hidden=4096" in out and "atol/rtol" in out and "all 6 cases passed" in out
+    assert "linear" not in out
+    assert check.main(["--device", "cpu", "--ops", "rms_norm", "--markdown"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| rms_norm")]
+    assert len(rows) == 6 and all("| rows=" in r and "| ok | ok | ok |" in r for r in rows)
 
 
-def test_status_matrix_reports_first_failing_op(capsys, monkeypatch):
-    def failing(device, dtype, rows, hidden):
-        return check.CaseResult("broken_op", device, dtype, (rows, hidden), "native", True, False, True,
-                                0.5, 0.0, "grad[x0] differs under batch1[row=0]")
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "foo"], "unknown device 'foo'"),
+    (["--device", "mps"], "cpu and cuda only"),
+    (["--ops", "nope"], "unknown op nope"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "not available here")]))
+def test_bad_command_lines_exit_2_with_a_message(capsys, argv, message):
+    assert check.main(argv) == 2
+    assert message in capsys.readouterr().err
 
-    monkeypatch.setattr(check, "CHECKS", {"broken_op": (failing, [(3, 8)])})
+
+def test_reports_first_failing_op(capsys, monkeypatch):
+    """A case whose row gradient depends on the batch is reported as a backward-invariance
+    failure, with the drift, and exit status 1."""
+
+    def case(device, dtype, rows):
+        x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+        return InvarianceCase(fn=lambda x: x * 2 + _leak(x), rows=[x],
+                              accuracy=lambda: (x.float(), x.float()))
+
+    broken = OpSpec(name="rms_norm", op_class="reduction", ops=SPECS[0].ops, exports={}, reference_fp32=None,
+                    samples=None, bad_inputs=None, check_shapes=({"rows": 5},), invariance_case=case)
+    monkeypatch.setattr(check, "SPECS", (broken,))
     assert check.main(["--device", "cpu"]) == 1
     out = capsys.readouterr().out
-    assert "FIRST FAILING OP: broken_op on cpu" in out and "grad[x0]" in out
-    # one row per supported dtype, each marked failing in the backward-invariance column
-    rows = [line.split() for line in out.splitlines() if line.startswith("broken_op")]
-    assert [r[2] for r in rows] == [str(d).removeprefix("torch.") for d in check.contract.SUPPORTED_DTYPES]
-    assert all(r[6] == "FAIL" for r in rows)
+    assert "FIRST FAILING OP: rms_norm on cpu" in out and "grad[x0]" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("rms_norm")]
+    assert [r[2] for r in rows] == [str(d).removeprefix("torch.") for d in contract.SUPPORTED_DTYPES]
+    assert all(r[5:8] == ["ok", "FAIL", "ok"] for r in rows)
+
+
+class _Leak(torch.autograd.Function):
+    """Identity forward; the backward scales each row's gradient by the batch size (a
+    batch-dependent row gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.rows = x.shape[0]
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.rows
+
+
+def _leak(x):
+    return _Leak.apply(x)

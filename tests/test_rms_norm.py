@@ -1,10 +1,7 @@
-"""rms_norm: invariance (Axis-A), accuracy (Axis-B), registration, bad input, odd shapes."""
+"""rms_norm: invariance (Axis-A), accuracy (Axis-B), layouts, odd shapes, the GPU limit.
+Registration, opcheck, compile, bad input and the fallback: tests/test_registry.py."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,16 +16,6 @@ from conftest import randn
 
 EPS = 1e-6
 HIDDEN_SIZES = [128, 4095, 4096]
-
-
-def test_native_library_is_loaded():
-    """The default build has native kernels; a GPU build must have registered CUDA kernels."""
-    assert rl_engine_ext.NATIVE_AVAILABLE, rl_engine_ext.NATIVE_UNAVAILABLE_REASON
-    assert rl_engine_ext.has_native_kernel("rms_norm", "cpu")
-    assert rl_engine_ext.has_native_kernel("rms_norm_backward", "cpu")
-    if torch.cuda.is_available():
-        assert rl_engine_ext.has_native_kernel("rms_norm", "cuda")
-        assert rl_engine_ext.has_native_kernel("rms_norm_backward", "cuda")
 
 
 # ------------------------------------------------------------------------------------------
@@ -211,47 +198,6 @@ def test_empty_batch(device, dtype):
     assert rl_engine_ext.rms_norm(xe, torch.empty(0, dtype=dtype, device=device), EPS).shape == xe.shape
 
 
-@pytest.mark.parametrize(
-    "bad_dtype", [torch.float64, torch.int32, torch.int64, torch.float8_e4m3fn, torch.complex64]
-)
-def test_rejects_unsupported_dtypes(device, bad_dtype):
-    x = torch.ones(3, 8, device=device).to(bad_dtype)
-    w = torch.ones(8, device=device).to(bad_dtype)
-    with pytest.raises(ValueError, match=r"rms_norm.*unsupported dtype.*" + str(bad_dtype).removeprefix("torch.")):
-        rl_engine_ext.rms_norm(x, w, EPS)
-    with pytest.raises(ValueError, match="rms_norm_backward.*unsupported dtype"):
-        rl_engine_ext.rms_norm_backward(x, x, w, EPS)
-
-
-def test_rejects_bad_arguments(device):
-    x = randn(4, 16, dtype=torch.bfloat16, device=device, seed=18)
-    w = randn(16, dtype=torch.bfloat16, device=device, seed=19)
-    with pytest.raises(ValueError, match="weight has 15 elements"):
-        rl_engine_ext.rms_norm(x, w[:15], EPS)
-    with pytest.raises(ValueError, match="weight must be 1-D"):
-        rl_engine_ext.rms_norm(x, w.view(2, 8), EPS)
-    with pytest.raises(ValueError, match="differs from x dtype"):
-        rl_engine_ext.rms_norm(x, w.float(), EPS)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
-        rl_engine_ext.rms_norm(x, w, -1.0)
-    with pytest.raises(ValueError, match="at least one dimension"):
-        rl_engine_ext.rms_norm(x[0, 0], w[:1], EPS)
-    with pytest.raises(ValueError, match="grad_out shape"):
-        rl_engine_ext.rms_norm_backward(x[:3], x, w, EPS)
-    with pytest.raises(ValueError, match="dweight_accum must be torch.float32"):
-        rl_engine_ext.rms_norm_backward(x, x, w, EPS, torch.zeros(16, dtype=torch.bfloat16, device=device))
-    with pytest.raises(ValueError, match=r"dweight_accum must have shape \[16\]"):
-        rl_engine_ext.rms_norm_backward(x, x, w, EPS, torch.zeros(15, device=device))
-
-
-@pytest.mark.cuda
-def test_rejects_mismatched_devices():
-    x = randn(4, 16, dtype=torch.bfloat16, device="cuda", seed=20)
-    w = randn(16, dtype=torch.bfloat16, device="cpu", seed=21)
-    with pytest.raises(RuntimeError, match="weight is on cpu"):
-        rl_engine_ext.rms_norm(x, w, EPS)
-
-
 @pytest.mark.cuda
 def test_rejects_hidden_beyond_gpu_limit():
     hidden = 65536 + 8
@@ -261,87 +207,8 @@ def test_rejects_hidden_beyond_gpu_limit():
 
 
 # ------------------------------------------------------------------------------------------
-# Registration: opcheck, torch.compile, fallback
+# Autograd
 # ------------------------------------------------------------------------------------------
-
-
-def _opcheck_samples(device: str):
-    for dtype in (torch.bfloat16, torch.float32):
-        for shape in ((5, 128), (2, 3, 4095), (0, 64)):
-            hidden = shape[-1]
-            x = randn(*shape, dtype=dtype, device=device, seed=22)
-            w = randn(hidden, dtype=dtype, device=device, seed=23)
-            yield x, w
-            yield x.clone().requires_grad_(), w.clone().requires_grad_()
-
-
-def test_opcheck(device):
-    for x, w in _opcheck_samples(device):
-        torch.library.opcheck(torch.ops.rl_align.rms_norm.default, (x, w, EPS))
-        dy = torch.randn_like(x.detach())
-        acc = torch.randn(x.shape[-1], device=device)
-        for accum in (None, acc):
-            torch.library.opcheck(
-                torch.ops.rl_align.rms_norm_backward.default, (dy, x.detach(), w.detach(), EPS, accum)
-            )
-
-
-def test_torch_compile_fullgraph(device):
-    """The op is opaque to the compiler: no graph break, and the compiled result is bitwise eager."""
-    torch._dynamo.reset()
-    x = randn(8, 256, dtype=torch.bfloat16, device=device, seed=24, scale=2.0)
-    w = randn(256, dtype=torch.bfloat16, device=device, seed=25)
-
-    def block(x, w):
-        return rl_engine_ext.rms_norm(x * 2, w, EPS) + 1
-
-    compiled = torch.compile(block, fullgraph=True)
-    assert torch.equal(compiled(x, w), block(x, w))
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    compiled(xg, wg).sum().backward()
-    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
-    block(xe, we).sum().backward()
-    assert torch.equal(xg.grad, xe.grad) and torch.equal(wg.grad, we.grad)
-
-
-FALLBACK_SCRIPT = r"""
-import warnings
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import rl_engine_ext
-    import rl_engine_ext.ops.rms_norm as m
-import torch
-msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-assert len(msgs) == 1 and "NOT guaranteed" in msgs[0], msgs
-assert not rl_engine_ext.NATIVE_AVAILABLE
-try:
-    torch.ops.rl_align.rms_norm
-except (AttributeError, RuntimeError):
-    pass
-else:
-    raise AssertionError("the native library was loaded although RL_ENGINE_EXT_NO_NATIVE=1")
-x = torch.randn(5, 64, dtype=torch.bfloat16)
-w = torch.randn(64, dtype=torch.bfloat16)
-assert torch.equal(rl_engine_ext.rms_norm(x, w), m.reference_forward(x, w))
-xg = x.clone().requires_grad_(); wg = w.clone().requires_grad_()
-rl_engine_ext.rms_norm(xg, wg).sum().backward()
-dx, dw = rl_engine_ext.rms_norm_backward(torch.ones_like(x), x, w)
-torch.testing.assert_close(xg.grad.float(), dx.float(), atol=2e-2, rtol=2e-2)
-try:
-    rl_engine_ext.rms_norm(x.double(), w.double())
-except ValueError as e:
-    assert "unsupported dtype" in str(e)
-else:
-    raise AssertionError("fp64 accepted")
-print("fallback ok")
-"""
-
-
-def test_reference_fallback_when_native_disabled():
-    env = dict(os.environ, RL_ENGINE_EXT_NO_NATIVE="1")
-    done = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "fallback ok" in done.stdout
 
 
 @pytest.mark.parametrize("needs", ["x", "weight"])

@@ -1,4 +1,4 @@
-"""attention: public functions, fake kernels and the pure-PyTorch references.
+"""attention: public functions, argument checks, references, fake outputs and the op's spec.
 
     out = softmax(scale * q @ k^T + causal mask) @ v        per sequence and query head
 
@@ -33,61 +33,129 @@ import math
 
 import torch
 
-from .. import contract
-from .._native import NATIVE_AVAILABLE
+from .. import contract, testing
+from . import _checks
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
 
 OP = "attention"
 
-# Mirrors kAttentionKvBlock in csrc/common/attention_problem.h.
+# Shared with kAttentionKvBlock in csrc/common/attention_problem.h (exported by the native library).
 ATTENTION_KV_BLOCK = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (the one Python copy; C++: csrc/host/attention.h). Values that only the data
+# reveal (a mask that is not one run, cu_seqlens that are not monotone, cache lengths out of
+# range) are checked where the data is read: in the references and the native ops, not here.
+# ---------------------------------------------------------------------------------------------
 
 
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        contract.check_dtype(op, t.dtype, name)
+        _checks.check_dtype(op, name, t)
         if t.dim() != dims:
-            raise ValueError(f"rl_align::{op}: {name} must be {dims}-D {layout}, got shape {list(t.shape)}")
+            raise _checks.fail(op, f"{name} must be {dims}-D {layout}, got shape {list(t.shape)}")
         if t.dtype != q.dtype:
-            raise ValueError(f"rl_align::{op}: {name} dtype {t.dtype} differs from q dtype {q.dtype}")
-        if t.device != q.device:
-            raise RuntimeError(f"rl_align::{op}: {name} is on {t.device} but q is on {q.device}")
+            raise _checks.fail(op, f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        _checks.check_device(op, name, t, "q", q)
     if k.shape != v.shape:
-        raise ValueError(f"rl_align::{op}: k {list(k.shape)} and v {list(v.shape)} must have the same shape")
+        raise _checks.fail(op, f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
     if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"rl_align::{op}: q head_dim {q.shape[-1]} differs from k head_dim {k.shape[-1]}")
+        raise _checks.fail(op, f"q head_dim {q.shape[-1]} differs from k head_dim {k.shape[-1]}")
     if q.shape[-1] < 1:
-        raise ValueError(f"rl_align::{op}: head_dim must be >= 1")
+        raise _checks.fail(op, "head_dim must be >= 1")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv < 1 or hq % hkv != 0:
-        raise ValueError(f"rl_align::{op}: query heads ({hq}) must be a positive multiple of key/value heads ({hkv})")
+        raise _checks.fail(op, f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv})")
 
 
 def _check_padded(op: str, q, k, v) -> None:
     _check_qkv(op, q, k, v, 4, "[batch, heads, seq, head_dim]")
     if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"rl_align::{op}: q {list(q.shape)} and k {list(k.shape)} must agree in batch and seq")
+        raise _checks.fail(op, f"q {list(q.shape)} and k {list(k.shape)} must agree in batch and seq")
 
 
 def _check_varlen(op: str, q, k, v) -> None:
     _check_qkv(op, q, k, v, 3, "[tokens, heads, head_dim]")
     if k.shape[0] != q.shape[0]:
-        raise ValueError(f"rl_align::{op}: q {list(q.shape)} and k {list(k.shape)} must have the same token count")
+        raise _checks.fail(op, f"q {list(q.shape)} and k {list(k.shape)} must have the same token count")
 
 
-def _check_kvcache(q, k_cache, v_cache, cache_seqlens) -> None:
-    op = "attention_kvcache"
-    _check_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]")
-    if k_cache.shape[0] != q.shape[0]:
-        raise ValueError(f"rl_align::{op}: q {list(q.shape)} and k_cache {list(k_cache.shape)} must have the same batch size")
-    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != q.shape[0]:
-        raise ValueError(f"rl_align::{op}: cache_seqlens must have shape [{q.shape[0]}], got {list(cache_seqlens.shape)}")
+def _check_mask(op: str, padding_mask: torch.Tensor | None, q: torch.Tensor) -> None:
+    if padding_mask is None:
+        return
+    b, s = q.shape[0], q.shape[2]
+    if padding_mask.dim() != 2 or tuple(padding_mask.shape) != (b, s):
+        raise _checks.fail(op, f"padding_mask must have shape [{b}, {s}] ([batch, seq]), got {list(padding_mask.shape)}")
+    _checks.check_index_tensor(op, "padding_mask", padding_mask, q)
+
+
+def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, q: torch.Tensor) -> None:
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise _checks.fail(op, f"cu_seqlens must be 1-D [num_seqs + 1], got shape {list(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise _checks.fail(op, f"cu_seqlens must be torch.int32 or torch.int64, got {cu_seqlens.dtype}")
+    _checks.check_device(op, "cu_seqlens", cu_seqlens, "q", q)
+
+
+def _check_backward_extras(op: str, grad_out, out, lse, q, lse_shape: tuple[int, ...]) -> None:
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if t.shape != q.shape:
+            raise _checks.fail(op, f"{name} shape {list(t.shape)} differs from q shape {list(q.shape)}")
+        if t.dtype != q.dtype:
+            raise _checks.fail(op, f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        _checks.check_device(op, name, t, "q", q)
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(lse_shape):
+        raise _checks.fail(op, f"lse must be torch.float32 of shape {list(lse_shape)}, got {lse.dtype} {list(lse.shape)}")
+    _checks.check_device(op, "lse", lse, "q", q)
 
 
 def _scale(op: str, scale: float | None, head_dim: int) -> float:
+    """The softmax scale the op uses: ``scale`` or 1/sqrt(head_dim); must be finite."""
     s = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not math.isfinite(s):
-        raise ValueError(f"rl_align::{op}: scale must be finite, got {s}")
+        raise _checks.fail(op, f"scale must be finite, got {s}")
     return s
+
+
+def check_attention(q, k, v, padding_mask=None, scale=None, causal=True) -> None:
+    _check_padded(OP, q, k, v)
+    _scale(OP, scale, q.shape[-1])
+    _check_mask(OP, padding_mask, q)
+
+
+def check_attention_backward(grad_out, q, k, v, out, lse, padding_mask, scale, causal) -> None:
+    op = "attention_backward"
+    _check_padded(op, q, k, v)
+    _check_backward_extras(op, grad_out, out, lse, q, (q.shape[0], q.shape[1], q.shape[2]))
+    _check_mask(op, padding_mask, q)
+    _scale(op, scale, q.shape[-1])
+
+
+def check_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=True) -> None:
+    op = "attention_varlen"
+    _check_varlen(op, q, k, v)
+    _scale(op, scale, q.shape[-1])
+    _check_cu_seqlens(op, cu_seqlens, q)
+
+
+def check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal) -> None:
+    op = "attention_varlen_backward"
+    _check_varlen(op, q, k, v)
+    _check_backward_extras(op, grad_out, out, lse, q, (q.shape[1], q.shape[0]))
+    _check_cu_seqlens(op, cu_seqlens, q)
+    _scale(op, scale, q.shape[-1])
+
+
+def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None) -> None:
+    op = "attention_kvcache"
+    _check_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]")
+    if k_cache.shape[0] != q.shape[0]:
+        raise _checks.fail(op, f"q {list(q.shape)} and k_cache {list(k_cache.shape)} must have the same batch size")
+    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != q.shape[0]:
+        raise _checks.fail(op, f"cache_seqlens must have shape [{q.shape[0]}], got {list(cache_seqlens.shape)}")
+    _scale(op, scale, q.shape[-1])
+    _checks.check_index_tensor(op, "cache_seqlens", cache_seqlens, q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,38 +163,32 @@ def _scale(op: str, scale: float | None, head_dim: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _mask_runs(op: str, padding_mask: torch.Tensor, b: int, s: int) -> list[tuple[int, int]]:
+def _mask_runs(op: str, padding_mask: torch.Tensor) -> list[tuple[int, int]]:
     """(first, length) of each row's real tokens; they must be one run."""
-    if padding_mask.dim() != 2 or tuple(padding_mask.shape) != (b, s):
-        raise ValueError(f"rl_align::{op}: padding_mask must have shape [{b}, {s}] ([batch, seq]), got {list(padding_mask.shape)}")
     runs = []
     for i, row in enumerate(padding_mask.to("cpu", torch.bool).tolist()):
+        s = len(row)
         first = next((j for j, m in enumerate(row) if m), s)
         last = next((j for j in range(first, s) if not row[j]), s)
-        if any(row[last:]):
-            raise ValueError(
-                f"rl_align::{op}: padding_mask row {i} has padding inside the sequence; real tokens must be one run "
-                "(left or right padding)"
-            )
+        inside = next((j for j in range(last, s) if row[j]), None)
+        if inside is not None:
+            raise _checks.fail(op, f"padding_mask row {i} has padding inside the sequence (position {inside}); real "
+                                   "tokens must be one run (left or right padding)")
         runs.append((first, last - first))
     return runs
 
 
 def _cu_runs(op: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None) -> list[tuple[int, int]]:
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(f"rl_align::{op}: cu_seqlens must be 1-D [num_seqs + 1], got shape {list(cu_seqlens.shape)}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rl_align::{op}: cu_seqlens must be torch.int32 or torch.int64, got {cu_seqlens.dtype}")
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != total:
-        raise ValueError(f"rl_align::{op}: cu_seqlens must start at 0 and end at the token count {total}, got {cu[0]} ... {cu[-1]}")
+        raise _checks.fail(op, f"cu_seqlens must start at 0 and end at the token count {total}, got {cu[0]} ... {cu[-1]}")
     runs = []
     for i in range(len(cu) - 1):
         n = cu[i + 1] - cu[i]
         if n < 0:
-            raise ValueError(f"rl_align::{op}: cu_seqlens must be non-decreasing, got {cu[i]} then {cu[i + 1]}")
+            raise _checks.fail(op, f"cu_seqlens must be non-decreasing, got {cu[i]} then {cu[i + 1]}")
         if max_seqlen is not None and n > max_seqlen:
-            raise ValueError(f"rl_align::{op}: sequence {i} has {n} tokens, more than max_seqlen = {max_seqlen}")
+            raise _checks.fail(op, f"sequence {i} has {n} tokens, more than max_seqlen = {max_seqlen}")
         runs.append((cu[i], n))
     return runs
 
@@ -147,9 +209,9 @@ def _sequence_attention(q, k, v, q_pos0: int, scale: float, causal: bool, fp32_o
     return (out if fp32_out else out.to(q.dtype)), lse
 
 
-def _padded(q, k, v, padding_mask, scale, causal, fp32_out):
+def _padded(op, q, k, v, padding_mask, scale, causal, fp32_out):
     b, hq, s, _ = q.shape
-    runs = _mask_runs(OP, padding_mask, b, s) if padding_mask is not None else [(0, s)] * b
+    runs = _mask_runs(op, padding_mask) if padding_mask is not None else [(0, s)] * b
     out_dtype = torch.float32 if fp32_out else q.dtype
     outs, lses = [], []
     for i, (first, n) in enumerate(runs):
@@ -163,8 +225,8 @@ def _padded(q, k, v, padding_mask, scale, causal, fp32_out):
     return torch.stack(outs).to(out_dtype), torch.stack(lses)
 
 
-def _varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, fp32_out):
-    runs = _cu_runs("attention_varlen", cu_seqlens, q.shape[0], max_seqlen)
+def _varlen(op, q, k, v, cu_seqlens, max_seqlen, scale, causal, fp32_out):
+    runs = _cu_runs(op, cu_seqlens, q.shape[0], max_seqlen)
     out_dtype = torch.float32 if fp32_out else q.dtype
     outs, lses = [q.new_zeros((0, q.shape[1], q.shape[2]), dtype=out_dtype)], [q.new_zeros((q.shape[1], 0), dtype=torch.float32)]
     for start, n in runs:
@@ -183,10 +245,8 @@ def _kvcache(q, k_cache, v_cache, cache_seqlens, scale, fp32_out):
     outs, lses = [], []
     for i, length in enumerate(lens):
         if not n <= length <= k_cache.shape[2]:
-            raise ValueError(
-                f"rl_align::attention_kvcache: cache_seqlens[{i}] = {length} must hold the {n} new tokens and fit the "
-                f"cache ({k_cache.shape[2]} positions)"
-            )
+            raise _checks.fail("attention_kvcache", f"cache_seqlens[{i}] = {length} must hold the {n} new tokens and "
+                                                    f"fit the cache ({k_cache.shape[2]} positions)")
         o, l = _sequence_attention(q[i], k_cache[i, :, :length], v_cache[i, :, :length], length - n, scale, True, fp32_out)
         outs.append(o)
         lses.append(l)
@@ -196,31 +256,123 @@ def _kvcache(q, k_cache, v_cache, cache_seqlens, scale, fp32_out):
 
 
 # ---------------------------------------------------------------------------------------------
-# References (also the fallback when the native library is absent; differentiable by autograd)
+# References (the fallback kernels; fp32 math in PyTorch's order, within the contract of the
+# kernels, not bit for bit) and fake outputs
 # ---------------------------------------------------------------------------------------------
 
 
 def reference_forward(q, k, v, padding_mask=None, scale=None, causal=True):
-    """The dtype path of ``attention``: fp32 math (PyTorch's order), out rounded to q.dtype.
-    Returns (out, lse)."""
-    _check_padded(OP, q, k, v)
-    return _padded(q, k, v, padding_mask, _scale(OP, scale, q.shape[-1]), causal, False)
+    """The dtype path of ``attention``: fp32 math, out rounded to q.dtype. Returns (out, lse)."""
+    check_attention(q, k, v, padding_mask, scale, causal)
+    return _padded(OP, q, k, v, padding_mask, _scale(OP, scale, q.shape[-1]), causal, False)
 
 
 def reference_forward_fp32(q, k, v, padding_mask=None, scale=None, causal=True):
     """Ground truth of ``attention``: fp32 inputs and math, fp32 out; TF32 and autocast off."""
-    _check_padded(OP, q, k, v)
-    return _padded(q, k, v, padding_mask, _scale(OP, scale, q.shape[-1]), causal, True)
+    check_attention(q, k, v, padding_mask, scale, causal)
+    return _padded(OP, q, k, v, padding_mask, _scale(OP, scale, q.shape[-1]), causal, True)
 
 
 def reference_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=True, fp32_out=False):
-    _check_varlen("attention_varlen", q, k, v)
-    return _varlen(q, k, v, cu_seqlens, max_seqlen, _scale("attention_varlen", scale, q.shape[-1]), causal, fp32_out)
+    op = "attention_varlen"
+    check_attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    return _varlen(op, q, k, v, cu_seqlens, max_seqlen, _scale(op, scale, q.shape[-1]), causal, fp32_out)
 
 
 def reference_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, fp32_out=False):
-    _check_kvcache(q, k_cache, v_cache, cache_seqlens)
+    check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale)
     return _kvcache(q, k_cache, v_cache, cache_seqlens, _scale("attention_kvcache", scale, q.shape[-1]), fp32_out)
+
+
+def _sequence_grads(q, k, v, dout, scale: float, causal: bool):
+    """One sequence's (dq, dk, dv) in fp32 math, rounded to the input dtype: P = softmax(scale q k^T),
+    dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = scale dS K, dK = scale dS^T Q, the
+    group's query heads summed into their key/value head."""
+    hkv, group = k.shape[0], q.shape[0] // k.shape[0]
+    with contract.fp32_reference_mode():
+        qf, do = q.float(), dout.float()
+        kf = k.float().repeat_interleave(group, 0)
+        vf = v.float().repeat_interleave(group, 0)
+        scores = (qf @ kf.transpose(1, 2)) * scale
+        if causal:
+            pos = torch.arange(q.shape[1], device=q.device)
+            scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        dp = do @ vf.transpose(1, 2)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        dq = (ds @ kf) * scale
+        dk = ((ds.transpose(1, 2) @ qf) * scale).view(hkv, group, *k.shape[1:]).sum(1)
+        dv = (p.transpose(1, 2) @ do).view(hkv, group, *v.shape[1:]).sum(1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def reference_backward(grad_out, q, k, v, out, lse, padding_mask, scale, causal):
+    """(dq, dk, dv) of ``attention`` (out and lse are recomputed); padding rows get zeros."""
+    op = "attention_backward"
+    check_attention_backward(grad_out, q, k, v, out, lse, padding_mask, scale, causal)
+    runs = _mask_runs(op, padding_mask) if padding_mask is not None else [(0, q.shape[2])] * q.shape[0]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for i, (first, n) in enumerate(runs):
+        rows = slice(first, first + n)
+        dq[i, :, rows], dk[i, :, rows], dv[i, :, rows] = _sequence_grads(
+            q[i, :, rows], k[i, :, rows], v[i, :, rows], grad_out[i, :, rows], scale, causal)
+    return dq, dk, dv
+
+
+def reference_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal):
+    """(dq, dk, dv) of ``attention_varlen`` (out and lse are recomputed)."""
+    op = "attention_varlen_backward"
+    check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for start, n in _cu_runs(op, cu_seqlens, q.shape[0], max_seqlen):
+        rows = slice(start, start + n)
+        grads = _sequence_grads(*(t[rows].transpose(0, 1) for t in (q, k, v, grad_out)), scale, causal)
+        for g, dst in zip(grads, (dq, dk, dv)):
+            dst[rows] = g.transpose(0, 1)
+    return dq, dk, dv
+
+
+def _lse_like(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+def _empty_padded(q, k, v, *rest):
+    return torch.empty_like(q), _lse_like(q, (q.shape[0], q.shape[1], q.shape[2]))
+
+
+def _empty_varlen(q, k, v, *rest):
+    return torch.empty_like(q), _lse_like(q, (q.shape[1], q.shape[0]))
+
+
+def _empty_grads(grad_out, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+
+
+def _setup_padded(ctx, inputs, output):
+    q, k, v, padding_mask, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.extras = (padding_mask, _scale(OP, scale, q.shape[-1]), causal)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_padded(ctx, grad_out, grad_lse):
+    # lse is an output for samplers and tests, not a differentiable one: its gradient is ignored.
+    dq, dk, dv = torch.ops.rl_align.attention_backward(grad_out, *ctx.saved_tensors, *ctx.extras)
+    return dq, dk, dv, None, None, None
+
+
+def _setup_varlen(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.extras = (max_seqlen, _scale("attention_varlen", scale, q.shape[-1]), causal)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_varlen(ctx, grad_out, grad_lse):
+    dq, dk, dv = torch.ops.rl_align.attention_varlen_backward(grad_out, *ctx.saved_tensors, *ctx.extras)
+    return dq, dk, dv, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,10 +391,7 @@ def attention(
     return_lse: bool = False,
 ):
     """Batch-invariant attention over a padded batch (differentiable in q, k, v)."""
-    if NATIVE_AVAILABLE:
-        out, lse = torch.ops.rl_align.attention(q, k, v, padding_mask, scale, causal)
-    else:
-        out, lse = reference_forward(q, k, v, padding_mask, scale, causal)
+    out, lse = torch.ops.rl_align.attention(q, k, v, padding_mask, scale, causal)
     return (out, lse) if return_lse else out
 
 
@@ -258,10 +407,7 @@ def attention_varlen(
     return_lse: bool = False,
 ):
     """Batch-invariant attention over packed sequences (differentiable in q, k, v)."""
-    if NATIVE_AVAILABLE:
-        out, lse = torch.ops.rl_align.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal)
-    else:
-        out, lse = reference_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    out, lse = torch.ops.rl_align.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal)
     return (out, lse) if return_lse else out
 
 
@@ -275,43 +421,151 @@ def attention_kvcache(
     return_lse: bool = False,
 ):
     """KV-cache attention (decode / chunked prefill): the same bits as the full prefill."""
-    if NATIVE_AVAILABLE:
-        out, lse = torch.ops.rl_align.attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale)
-    else:
-        out, lse = reference_kvcache(q, k_cache, v_cache, cache_seqlens, scale)
+    out, lse = torch.ops.rl_align.attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale)
     return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------
-# Fake kernels for the native ops (autograd is registered in C++: csrc/autograd.cpp)
+# The spec: samples, bad inputs, status-matrix cases
 # ---------------------------------------------------------------------------------------------
 
-if NATIVE_AVAILABLE:
 
-    def _lse_like(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return q.new_empty(shape, dtype=torch.float32)
+def _qkv(device, dtype, b=2, hq=4, hkv=2, s=20, d=64):
+    return tuple(seeded_randn(b, h, s, d, dtype=dtype, device=device, seed=i) for i, h in enumerate((hq, hkv, hkv)))
 
-    @torch.library.register_fake("rl_align::attention")
-    def _attention_fake(q, k, v, padding_mask=None, scale=None, causal=True):
-        _check_padded(OP, q, k, v)
-        return torch.empty_like(q), _lse_like(q, (q.shape[0], q.shape[1], q.shape[2]))
 
-    @torch.library.register_fake("rl_align::attention_backward")
-    def _attention_backward_fake(grad_out, q, k, v, out, lse, padding_mask, scale, causal):
-        _check_padded("attention_backward", q, k, v)
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
+    q, k, v = _qkv(device, dtype)
+    mask = torch.ones(2, 20, dtype=torch.bool, device=device)
+    mask[0, :5] = False
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
+    out, lse = torch.ops.rl_align.attention(q, k, v, mask, 0.2, False)
+    outp, lsep = torch.ops.rl_align.attention_varlen(qp, kp, vp, cu, None, None, True)
+    dout = seeded_randn(*q.shape, dtype=dtype, device=device, seed=9)
+    return [
+        Sample("attention", (ql, kl, vl, None, None, True)),
+        Sample("attention", (ql, kl, vl, mask, 0.2, False)),
+        Sample("attention", (q[:0], k[:0], v[:0], None, None, True)),
+        Sample("attention_backward", (dout, q, k, v, out, lse, mask, 0.2, False)),
+        Sample("attention_varlen", (qp.clone().requires_grad_(), kp.clone().requires_grad_(), vp.clone().requires_grad_(),
+                                    cu, None, None, True)),
+        Sample("attention_varlen_backward", (dout[0].transpose(0, 1).contiguous(), qp, kp, vp, outp, lsep, cu, 20,
+                                             0.125, True)),
+        Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None)),
+    ]
 
-    @torch.library.register_fake("rl_align::attention_varlen")
-    def _attention_varlen_fake(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=True):
-        _check_varlen("attention_varlen", q, k, v)
-        return torch.empty_like(q), _lse_like(q, (q.shape[1], q.shape[0]))
 
-    @torch.library.register_fake("rl_align::attention_varlen_backward")
-    def _attention_varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal):
-        _check_varlen("attention_varlen_backward", q, k, v)
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+def _bad_inputs(device: str) -> list[BadInput]:
+    q, _, _ = _qkv(device, torch.bfloat16, hq=4, s=8)
+    kv = seeded_randn(2, 2, 8, 64, dtype=torch.bfloat16, device=device, seed=3)
+    qp, kvp = q[0].transpose(0, 1).contiguous(), kv[0].transpose(0, 1).contiguous()  # [8, H, D]
+    out, lse = torch.ops.rl_align.attention(q, kv, kv, None, None, True)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
 
-    @torch.library.register_fake("rl_align::attention_kvcache")
-    def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, scale=None):
-        _check_kvcache(q, k_cache, v_cache, cache_seqlens)
-        return torch.empty_like(q), _lse_like(q, (q.shape[0], q.shape[1], q.shape[2]))
+    def varlen(cu_values, max_seqlen=None, dtype=torch.int32):
+        return (qp, kvp, kvp, torch.tensor(cu_values, dtype=dtype, device=device), max_seqlen, None, True)
+
+    bad = [
+        BadInput("attention", (q.double(), kv.double(), kv.double(), None, None, True), ValueError, "unsupported dtype"),
+        BadInput("attention", (q, kv.float(), kv.float(), None, None, True), ValueError, "differs from q dtype"),
+        BadInput("attention", (q, q[:, :3], q[:, :3], None, None, True), ValueError, "multiple of key/value heads"),
+        BadInput("attention", (q, kv[..., :32], kv[..., :32], None, None, True), ValueError, "head_dim"),
+        BadInput("attention", (q[0], kv[0], kv[0], None, None, True), ValueError, "4-D"),
+        BadInput("attention", (q, kv, kv[:, :, :4], None, None, True), ValueError, "must have the same shape"),
+        BadInput("attention", (q, kv[:, :, :4], kv[:, :, :4], None, None, True), ValueError, "agree in batch and seq"),
+        BadInput("attention", (q, kv, kv, torch.ones(2, 7, dtype=torch.bool, device=device), None, True), ValueError,
+                 "padding_mask must have shape"),
+        BadInput("attention", (q, kv, kv, torch.ones(2, 8, device=device), None, True), ValueError,
+                 "padding_mask must be a bool or integer tensor"),
+        BadInput("attention", (q, kv, kv, None, float("nan"), True), ValueError, "scale must be finite"),
+        BadInput("attention", (q, kv, kv, torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1]] * 2, device=device), None, True),
+                 ValueError, r"padding inside the sequence \(position 2\)", value_dependent=True),
+        BadInput("attention_backward", (out[:, :, :4], q, kv, kv, out, lse, None, 0.125, True), ValueError,
+                 "grad_out shape"),
+        BadInput("attention_backward", (out, q, kv, kv, out, lse.bfloat16(), None, 0.125, True), ValueError,
+                 "lse must be torch.float32"),
+        BadInput("attention_backward", (out, q, kv, kv, out.float(), lse, None, 0.125, True), ValueError, "out dtype"),
+        BadInput("attention_backward", (out, q, kv, kv, out, lse, None, float("inf"), True), ValueError,
+                 "scale must be finite"),
+        BadInput("attention_varlen", varlen([0, 3, 2, 8]), ValueError, "non-decreasing", value_dependent=True),
+        BadInput("attention_varlen", varlen([0, 3, 7]), ValueError, "end at the token count", value_dependent=True),
+        BadInput("attention_varlen", varlen([1, 8]), ValueError, "start at 0", value_dependent=True),
+        BadInput("attention_varlen", varlen([0, 8], max_seqlen=4), ValueError, "max_seqlen", value_dependent=True),
+        BadInput("attention_varlen", varlen([0.0, 8.0], dtype=torch.float32), ValueError, "int32 or torch.int64"),
+        BadInput("attention_varlen", varlen([[0, 8]]), ValueError, "cu_seqlens must be 1-D"),
+        BadInput("attention_varlen", (qp, kvp[:4], kvp[:4], cu, None, None, True), ValueError, "same token count"),
+        BadInput("attention_varlen_backward", (qp, qp, kvp, kvp, qp, lse[0, :, :4], cu, None, 0.125, True), ValueError,
+                 "lse must be torch.float32 of shape"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([0, 8], device=device), None), ValueError,
+                 "cache_seqlens", value_dependent=True),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([9, 8], device=device), None), ValueError,
+                 "fit the cache", value_dependent=True),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4.0, 8.0], device=device), None), ValueError,
+                 "cache_seqlens must be a bool or integer tensor"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4], device=device), None), ValueError,
+                 r"cache_seqlens must have shape \[2\]"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv[:1], kv[:1], torch.tensor([4, 4], device=device), None), ValueError,
+                 "same batch size"),
+    ]
+    if device != "cpu":
+        bad += [
+            BadInput("attention", (q, kv.cpu(), kv.cpu(), None, None, True), RuntimeError, "k is on cpu"),
+            BadInput("attention", (q, kv, kv, torch.ones(2, 8, dtype=torch.bool), None, True), RuntimeError,
+                     "padding_mask is on cpu"),
+            BadInput("attention_varlen", (qp, kvp, kvp, cu.cpu(), None, None, True), RuntimeError, "cu_seqlens is on cpu"),
+            BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8]), None), RuntimeError,
+                     "cache_seqlens is on cpu"),
+        ]
+    return bad
+
+
+def _invariance_case(device: str, dtype: torch.dtype, batch: int, heads_q: int, heads_kv: int, seq: int,
+                     head_dim: int) -> InvarianceCase:
+    """The harness over the batch of sequences (batch of 1, sub-batches, padding with other
+    sequences, chunks, repeats, per-sequence gradients), plus KV-cache decode of every sequence's
+    last position against its prefill row."""
+    q = seeded_randn(batch, heads_q, seq, head_dim, dtype=dtype, device=device, seed=seq)
+    k = seeded_randn(batch, heads_kv, seq, head_dim, dtype=dtype, device=device, seed=seq + 1)
+    v = seeded_randn(batch, heads_kv, seq, head_dim, dtype=dtype, device=device, seed=seq + 2)
+
+    def decode_vs_prefill():
+        lens = torch.full((batch,), seq, dtype=torch.int32, device=device)
+        decode = attention_kvcache(q[:, :, -1:], k, v, lens)
+        drift = testing.compare("out", "kvcache_decode[last position]", decode, attention(q, k, v)[:, :, -1:])
+        return [] if drift is None else [drift]
+
+    return InvarianceCase(
+        fn=lambda q, k, v: attention(q, k, v),
+        rows=[q, k, v],
+        accuracy=lambda: (attention(q, k, v), reference_forward_fp32(q, k, v)[0]),
+        extra_forward=decode_vs_prefill,
+    )
+
+
+SPEC = OpSpec(
+    name=OP,
+    op_class="attention",
+    ops=(
+        OpDef("attention", check_attention, reference_forward, _empty_padded, Autograd(_setup_padded, _backward_padded)),
+        OpDef("attention_backward", check_attention_backward, reference_backward, _empty_grads),
+        OpDef("attention_varlen", check_attention_varlen, reference_varlen, _empty_varlen,
+              Autograd(_setup_varlen, _backward_varlen)),
+        OpDef("attention_varlen_backward", check_attention_varlen_backward, reference_varlen_backward, _empty_grads),
+        OpDef("attention_kvcache", check_attention_kvcache, reference_kvcache, _empty_padded),
+    ),
+    exports={
+        "attention": attention,
+        "attention_varlen": attention_varlen,
+        "attention_kvcache": attention_kvcache,
+        "ATTENTION_KV_BLOCK": ATTENTION_KV_BLOCK,
+    },
+    reference_fp32=reference_forward_fp32,
+    samples=_samples,
+    bad_inputs=_bad_inputs,
+    check_shapes=({"batch": 5, "heads_q": 4, "heads_kv": 2, "seq": 130, "head_dim": 64},
+                  {"batch": 3, "heads_q": 8, "heads_kv": 8, "seq": 77, "head_dim": 128}),
+    invariance_case=_invariance_case,
+    constants={"ATTENTION_KV_BLOCK": ATTENTION_KV_BLOCK},
+)

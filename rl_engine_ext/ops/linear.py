@@ -1,4 +1,4 @@
-"""linear: public functions, fake kernels and the pure-PyTorch references.
+"""linear: public functions, argument checks, references, fake outputs and the op's spec.
 
     y = x @ weight.T (+ bias)        weight [N, K] (nn.Linear layout), x [..., K]
 
@@ -22,88 +22,72 @@ from __future__ import annotations
 import torch
 
 from .. import contract
-from .._native import NATIVE_AVAILABLE
+from . import _checks
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
 
 OP = "linear"
 
-# Mirrors kLinearGradTileTokens in csrc/common/gemm_problem.h.
+# Shared with kLinearGradTileTokens in csrc/common/gemm_problem.h (exported by the native library).
 LINEAR_GRAD_TILE_TOKENS = 64
 
 
-def _check_same(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if t.dtype != ref.dtype:
-        raise ValueError(f"rl_align::{op}: {name} dtype {t.dtype} differs from {ref_name} dtype {ref.dtype}")
-    if t.device != ref.device:
-        raise RuntimeError(f"rl_align::{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
+# ---------------------------------------------------------------------------------------------
+# Argument checks (the one Python copy; C++: csrc/host/linear.h)
+# ---------------------------------------------------------------------------------------------
 
 
 def _check_weight(op: str, weight: torch.Tensor) -> None:
-    contract.check_dtype(op, weight.dtype, "weight")
+    _checks.check_dtype(op, "weight", weight)
     if weight.dim() != 2:
-        raise ValueError(f"rl_align::{op}: weight must be 2-D [out, in], got shape {list(weight.shape)}")
+        raise _checks.fail(op, f"weight must be 2-D [out, in], got shape {list(weight.shape)}")
 
 
-def _check_accum(op: str, name: str, accum: torch.Tensor | None, shape: tuple[int, ...], ref: torch.Tensor) -> None:
-    if accum is None:
-        return
-    if accum.dtype != torch.float32:
-        raise ValueError(f"rl_align::{op}: {name} must be torch.float32, got {accum.dtype}")
-    if tuple(accum.shape) != shape:
-        raise ValueError(f"rl_align::{op}: {name} must have shape {list(shape)}, got {list(accum.shape)}")
-    if accum.device != ref.device:
-        raise RuntimeError(f"rl_align::{op}: {name} is on {accum.device} but the inputs are on {ref.device}")
-
-
-def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    contract.check_dtype(OP, x.dtype, "x")
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    _checks.check_dtype(OP, "x", x)
     _check_weight(OP, weight)
     if x.dim() < 1:
-        raise ValueError(f"rl_align::{OP}: x must have at least one dimension")
+        raise _checks.fail(OP, "x must have at least one dimension")
     if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"rl_align::{OP}: weight is {list(weight.shape)} ([out, in]) but x's last dimension is {x.shape[-1]}")
-    _check_same(OP, "weight", weight, "x", x)
+        raise _checks.fail(OP, f"weight is {list(weight.shape)} ([out, in]) but x's last dimension is {x.shape[-1]}")
+    _checks.check_same(OP, "weight", weight, "x", x)
     if bias is not None:
-        contract.check_dtype(OP, bias.dtype, "bias")
+        _checks.check_dtype(OP, "bias", bias)
         if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"rl_align::{OP}: bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
-        _check_same(OP, "bias", bias, "x", x)
+            raise _checks.fail(OP, f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
+        _checks.check_same(OP, "bias", bias, "x", x)
 
 
-def _check_grad_input(grad_out: torch.Tensor, weight: torch.Tensor) -> None:
+def check_grad_input(grad_out: torch.Tensor, weight: torch.Tensor) -> None:
     op = "linear_grad_input"
-    contract.check_dtype(op, grad_out.dtype, "grad_out")
+    _checks.check_dtype(op, "grad_out", grad_out)
     _check_weight(op, weight)
     if grad_out.dim() < 1 or grad_out.shape[-1] != weight.shape[0]:
-        raise ValueError(
-            f"rl_align::{op}: grad_out's last dimension must be weight.size(0) = {weight.shape[0]}, "
-            f"got shape {list(grad_out.shape)}"
-        )
-    _check_same(op, "weight", weight, "grad_out", grad_out)
+        raise _checks.fail(op, f"grad_out's last dimension must be weight.size(0) = {weight.shape[0]}, "
+                               f"got shape {list(grad_out.shape)}")
+    _checks.check_same(op, "weight", weight, "grad_out", grad_out)
 
 
-def _check_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, accum: torch.Tensor | None) -> None:
+def check_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, dweight_accum: torch.Tensor | None = None) -> None:
     op = "linear_grad_weight"
-    contract.check_dtype(op, grad_out.dtype, "grad_out")
-    contract.check_dtype(op, x.dtype, "x")
+    _checks.check_dtype(op, "grad_out", grad_out)
+    _checks.check_dtype(op, "x", x)
     if grad_out.dim() < 1 or x.dim() != grad_out.dim() or grad_out.shape[:-1] != x.shape[:-1]:
-        raise ValueError(
-            f"rl_align::{op}: grad_out {list(grad_out.shape)} and x {list(x.shape)} must agree in every "
-            "dimension but the last"
-        )
-    _check_same(op, "x", x, "grad_out", grad_out)
-    _check_accum(op, "dweight_accum", accum, (grad_out.shape[-1], x.shape[-1]), x)
+        raise _checks.fail(op, f"grad_out {list(grad_out.shape)} and x {list(x.shape)} must agree in every "
+                               "dimension but the last")
+    _checks.check_same(op, "x", x, "grad_out", grad_out)
+    _checks.check_fp32_accum(op, "dweight_accum", dweight_accum, (grad_out.shape[-1], x.shape[-1]), x)
 
 
-def _check_grad_bias(grad_out: torch.Tensor, accum: torch.Tensor | None) -> None:
+def check_grad_bias(grad_out: torch.Tensor, dbias_accum: torch.Tensor | None = None) -> None:
     op = "linear_grad_bias"
-    contract.check_dtype(op, grad_out.dtype, "grad_out")
+    _checks.check_dtype(op, "grad_out", grad_out)
     if grad_out.dim() < 1:
-        raise ValueError(f"rl_align::{op}: grad_out must have at least one dimension")
-    _check_accum(op, "dbias_accum", accum, (grad_out.shape[-1],), grad_out)
+        raise _checks.fail(op, "grad_out must have at least one dimension")
+    _checks.check_fp32_accum(op, "dbias_accum", dbias_accum, (grad_out.shape[-1],), grad_out)
 
 
 # ---------------------------------------------------------------------------------------------
-# References (also the fallback when the native library is absent)
+# References (the fallback kernels) and fake outputs
 # ---------------------------------------------------------------------------------------------
 
 
@@ -115,7 +99,7 @@ def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def reference_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The dtype path: fp32 products and sums, one rounding to x.dtype (summation order is
     PyTorch's, so this matches the kernels within the contract, not bit for bit)."""
-    _check_linear(x, weight, bias)
+    check_linear(x, weight, bias)
     y = _matmul_fp32(x, weight.t())
     if bias is not None:
         y = y + bias.float()
@@ -124,13 +108,13 @@ def reference_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def reference_forward_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Ground truth: fp32 inputs and math, fp32 output, autocast and TF32 off."""
-    _check_linear(x, weight, bias)
+    check_linear(x, weight, bias)
     y = _matmul_fp32(x.float(), weight.float().t())
     return y + bias.float() if bias is not None else y
 
 
 def reference_grad_input(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    _check_grad_input(grad_out, weight)
+    check_grad_input(grad_out, weight)
     return _matmul_fp32(grad_out, weight).to(grad_out.dtype)
 
 
@@ -138,7 +122,7 @@ def reference_grad_weight(
     grad_out: torch.Tensor, x: torch.Tensor, dweight_accum: torch.Tensor | None = None
 ) -> torch.Tensor:
     """fp32 [N, K]: the accumulator plus the tile sums, tiles of LINEAR_GRAD_TILE_TOKENS in order."""
-    _check_grad_weight(grad_out, x, dweight_accum)
+    check_grad_weight(grad_out, x, dweight_accum)
     g = grad_out.reshape(-1, grad_out.shape[-1]).float()
     xf = x.reshape(-1, x.shape[-1]).float()
     dw = dweight_accum.clone() if dweight_accum is not None else g.new_zeros(g.shape[1], xf.shape[1])
@@ -149,7 +133,7 @@ def reference_grad_weight(
 
 
 def reference_grad_bias(grad_out: torch.Tensor, dbias_accum: torch.Tensor | None = None) -> torch.Tensor:
-    _check_grad_bias(grad_out, dbias_accum)
+    check_grad_bias(grad_out, dbias_accum)
     g = grad_out.reshape(-1, grad_out.shape[-1]).float()
     db = dbias_accum.clone() if dbias_accum is not None else g.new_zeros(g.shape[1])
     for start in range(0, g.shape[0], LINEAR_GRAD_TILE_TOKENS):
@@ -157,25 +141,37 @@ def reference_grad_bias(grad_out: torch.Tensor, dbias_accum: torch.Tensor | None
     return db
 
 
-class _ReferenceLinear(torch.autograd.Function):
-    """Autograd for the fallback path, built from the reference backward pieces."""
+def _empty_forward(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return reference_forward(x, weight, bias)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = reference_grad_input(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_w = reference_grad_weight(grad, x).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_b = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = reference_grad_bias(grad).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b
+def _empty_grad_input(grad_out, weight):
+    return grad_out.new_empty((*grad_out.shape[:-1], weight.shape[1]))
+
+
+def _empty_grad_weight(grad_out, x, dweight_accum=None):
+    return x.new_empty((grad_out.shape[-1], x.shape[-1]), dtype=torch.float32)
+
+
+def _empty_grad_bias(grad_out, dbias_accum=None):
+    return grad_out.new_empty((grad_out.shape[-1],), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = torch.ops.rl_align.linear_grad_input(grad, weight) if ctx.needs_input_grad[0] else None
+    grad_w = torch.ops.rl_align.linear_grad_weight(grad, x, None).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    grad_b = None
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        grad_b = torch.ops.rl_align.linear_grad_bias(grad, None).to(ctx.bias_dtype)
+    return grad_x, grad_w, grad_b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,15 +181,11 @@ class _ReferenceLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant ``x @ weight.T (+ bias)`` (differentiable), a drop-in for F.linear."""
-    if not NATIVE_AVAILABLE:
-        return _ReferenceLinear.apply(x, weight, bias)
     return torch.ops.rl_align.linear(x, weight, bias)
 
 
 def linear_grad_input(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``grad_out @ weight``: the input gradient of linear, in the input dtype."""
-    if not NATIVE_AVAILABLE:
-        return reference_grad_input(grad_out, weight)
     return torch.ops.rl_align.linear_grad_input(grad_out, weight)
 
 
@@ -206,40 +198,115 @@ def linear_grad_weight(
     reproduces the one-batch result bit for bit when every micro-batch but the last has a
     multiple of ``LINEAR_GRAD_TILE_TOKENS`` tokens.
     """
-    if not NATIVE_AVAILABLE:
-        return reference_grad_weight(grad_out, x, dweight_accum)
     return torch.ops.rl_align.linear_grad_weight(grad_out, x, dweight_accum)
 
 
 def linear_grad_bias(grad_out: torch.Tensor, dbias_accum: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``dbias_accum (or 0) + grad_out`` summed over tokens; chains like linear_grad_weight."""
-    if not NATIVE_AVAILABLE:
-        return reference_grad_bias(grad_out, dbias_accum)
     return torch.ops.rl_align.linear_grad_bias(grad_out, dbias_accum)
 
 
 # ---------------------------------------------------------------------------------------------
-# Fake kernels for the native ops (autograd is registered in C++: csrc/autograd.cpp)
+# The spec: samples, bad inputs, status-matrix cases
 # ---------------------------------------------------------------------------------------------
 
-if NATIVE_AVAILABLE:
 
-    @torch.library.register_fake("rl_align::linear")
-    def _linear_fake(x, weight, bias=None):
-        _check_linear(x, weight, bias)
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _weights(n: int, k: int, dtype: torch.dtype, device: str, seed: int = 1):
+    w = seeded_randn(n, k, dtype=dtype, device=device, seed=seed, scale=k**-0.5)
+    return w, seeded_randn(n, dtype=dtype, device=device, seed=seed + 1)
 
-    @torch.library.register_fake("rl_align::linear_grad_input")
-    def _linear_grad_input_fake(grad_out, weight):
-        _check_grad_input(grad_out, weight)
-        return grad_out.new_empty((*grad_out.shape[:-1], weight.shape[1]))
 
-    @torch.library.register_fake("rl_align::linear_grad_weight")
-    def _linear_grad_weight_fake(grad_out, x, dweight_accum=None):
-        _check_grad_weight(grad_out, x, dweight_accum)
-        return x.new_empty((grad_out.shape[-1], x.shape[-1]), dtype=torch.float32)
+def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
+    w, b = _weights(24, 40, dtype, device)
+    x = seeded_randn(3, 5, 40, dtype=dtype, device=device, seed=1)
+    dy = seeded_randn(3, 5, 24, dtype=dtype, device=device, seed=2)
+    return [
+        Sample("linear", (x, w, b)),
+        Sample("linear", (x.clone().requires_grad_(), w.clone().requires_grad_(), None)),
+        Sample("linear", (x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_())),
+        Sample("linear", (torch.empty(0, 40, dtype=dtype, device=device), w, b)),
+        Sample("linear_grad_input", (dy, w)),
+        Sample("linear_grad_weight", (dy, x, None)),
+        Sample("linear_grad_weight", (dy, x, torch.ones(24, 40, device=device))),
+        Sample("linear_grad_bias", (dy, None)),
+        Sample("linear_grad_bias", (dy, torch.ones(24, device=device))),
+    ]
 
-    @torch.library.register_fake("rl_align::linear_grad_bias")
-    def _linear_grad_bias_fake(grad_out, dbias_accum=None):
-        _check_grad_bias(grad_out, dbias_accum)
-        return grad_out.new_empty((grad_out.shape[-1],), dtype=torch.float32)
+
+def _bad_inputs(device: str) -> list[BadInput]:
+    x = torch.ones(3, 8, device=device)
+    w = torch.ones(4, 8, device=device)
+    dy = torch.ones(3, 4, device=device)
+    bad = [
+        BadInput("linear", (x.double(), w.double(), None), ValueError, "unsupported dtype torch.float64 for x"),
+        BadInput("linear", (x.int(), w.int(), None), ValueError, "unsupported dtype torch.int32"),
+        BadInput("linear", (x, torch.ones(8, device=device), None), ValueError, "weight must be 2-D"),
+        BadInput("linear", (torch.ones(3, 7, device=device), w, None), ValueError, "last dimension"),
+        BadInput("linear", (x[0, 0], w, None), ValueError, "at least one dimension"),
+        BadInput("linear", (x.bfloat16(), w, None), ValueError, "weight dtype torch.float32 differs from x dtype"),
+        BadInput("linear", (x, w, torch.ones(5, device=device)), ValueError, "bias must have shape"),
+        BadInput("linear", (x, w, torch.ones(4, device=device).half()), ValueError, "bias dtype"),
+        BadInput("linear_grad_input", (torch.ones(3, 5, device=device), w), ValueError, "last dimension"),
+        BadInput("linear_grad_input", (dy.double(), w.double()), ValueError, "unsupported dtype"),
+        BadInput("linear_grad_weight", (dy, torch.ones(2, 8, device=device), None), ValueError, "every dimension but the last"),
+        BadInput("linear_grad_weight", (dy, x, torch.ones(4, 8, device=device).bfloat16()), ValueError,
+                 "dweight_accum must be torch.float32"),
+        BadInput("linear_grad_weight", (dy, x, torch.ones(8, 4, device=device)), ValueError, "dweight_accum must have shape"),
+        BadInput("linear_grad_bias", (dy, torch.ones(5, device=device)), ValueError, "dbias_accum must have shape"),
+        BadInput("linear_grad_bias", (dy[0, 0], None), ValueError, "at least one dimension"),
+    ]
+    if device != "cpu":
+        bad += [
+            BadInput("linear", (x, w.cpu(), None), RuntimeError, "weight is on cpu"),
+            BadInput("linear", (x, w, torch.ones(4).cpu()), RuntimeError, "bias is on cpu"),
+            BadInput("linear_grad_weight", (dy, x, torch.ones(4, 8)), RuntimeError, "dweight_accum is on cpu"),
+        ]
+    return bad
+
+
+def _invariance_case(device: str, dtype: torch.dtype, rows: int, out_features: int, in_features: int) -> InvarianceCase:
+    x = seeded_randn(rows, in_features, dtype=dtype, device=device, seed=rows)
+    weight = seeded_randn(out_features, in_features, dtype=dtype, device=device, seed=in_features) * in_features**-0.5
+    bias = seeded_randn(out_features, dtype=dtype, device=device, seed=out_features)
+
+    def chain(row_inputs, cotangents, accum):
+        dy, x_rows = cotangents[0], row_inputs[0]
+        return {
+            "weight": linear_grad_weight(dy, x_rows, None if accum is None else accum["weight"]),
+            "bias": linear_grad_bias(dy, None if accum is None else accum["bias"]),
+        }
+
+    return InvarianceCase(
+        fn=lambda x, weight, bias: linear(x, weight, bias),
+        rows=[x],
+        params={"weight": weight, "bias": bias},
+        weight_grad_tile=LINEAR_GRAD_TILE_TOKENS,
+        weight_grad_chain=chain,
+        accuracy=lambda: (linear(x, weight, bias), reference_forward_fp32(x, weight, bias)),
+    )
+
+
+SPEC = OpSpec(
+    name=OP,
+    op_class="reduction",
+    ops=(
+        OpDef("linear", check_linear, reference_forward, _empty_forward, Autograd(_setup_context, _backward)),
+        OpDef("linear_grad_input", check_grad_input, reference_grad_input, _empty_grad_input),
+        OpDef("linear_grad_weight", check_grad_weight, reference_grad_weight, _empty_grad_weight),
+        OpDef("linear_grad_bias", check_grad_bias, reference_grad_bias, _empty_grad_bias),
+    ),
+    exports={
+        "linear": linear,
+        "linear_grad_input": linear_grad_input,
+        "linear_grad_weight": linear_grad_weight,
+        "linear_grad_bias": linear_grad_bias,
+        "LINEAR_GRAD_TILE_TOKENS": LINEAR_GRAD_TILE_TOKENS,
+    },
+    reference_fp32=reference_forward_fp32,
+    samples=_samples,
+    bad_inputs=_bad_inputs,
+    check_shapes=({"rows": 257, "out_features": 512, "in_features": 1024},
+                  {"rows": 130, "out_features": 33, "in_features": 100}),
+    invariance_case=_invariance_case,
+    constants={"LINEAR_GRAD_TILE_TOKENS": LINEAR_GRAD_TILE_TOKENS},
+)

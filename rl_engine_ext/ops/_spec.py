@@ -1,0 +1,125 @@
+"""The op registry's vocabulary: what the generic machinery needs to know about an op family.
+
+One ``OpSpec`` per op family (``rms_norm``, ``linear``, ``attention``, ...), defined in the op's
+own module (``rl_engine_ext/ops/<op>.py``) and listed once in ``rl_engine_ext/ops/__init__.py``.
+Everything that iterates over ops reads the specs: the torch.ops shim and the fake kernels
+(``rl_engine_ext/_shim.py``), the contract's tolerance lookup, ``python -m rl_engine_ext.check``
+and the generic tests (``tests/test_registry.py``: registration, native kernels per device,
+opcheck, ``torch.compile(fullgraph=True)``, bad dtypes, bad inputs against the native op, the
+reference and the fake, the no-native fallback).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..testing import ChainFn, Drift
+
+
+@dataclass(frozen=True)
+class Autograd:
+    """A differentiable op's formula for ``torch.library.register_autograd``. Used only when the
+    native library is absent (the native build registers the same formula in C++,
+    ``csrc/autograd/<op>.cpp``, which costs less host time per call)."""
+
+    setup_context: Callable[[Any, tuple, Any], None]
+    backward: Callable[..., tuple]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One schema op (one ``RL_ALIGN_SCHEMA`` line of ``rl_engine_ext/schemas.def``).
+
+    ``check`` is the one Python copy of the op's argument checks (the C++ host code keeps its own
+    for C++ callers; ``tests/test_registry.py`` keeps the two from drifting). It takes the schema's
+    arguments, raises what the native op raises (ValueError for bad values, shapes and dtypes,
+    RuntimeError for devices) with a message that starts with ``rl_align::<name>:``, and checks
+    the device of every tensor argument. ``reference`` (the fallback kernel, which calls ``check``
+    itself) and ``empty_outputs`` (the fake kernel after ``check``) take the same arguments.
+    """
+
+    name: str
+    check: Callable[..., None]
+    reference: Callable[..., Any]
+    empty_outputs: Callable[..., Any]
+    autograd: Autograd | None = None  # None: not differentiable (backward raises)
+
+    def fake(self, *args: Any) -> Any:
+        self.check(*args)
+        return self.empty_outputs(*args)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Arguments of one schema op, in schema order, for opcheck, compile and the generic checks."""
+
+    op: str
+    args: tuple
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """An argument set the op must reject with ``error`` and a message matching ``match`` (after
+    the ``rl_align::<op>:`` prefix). ``value_dependent`` marks errors that only the values reveal
+    (e.g. a non-monotone cu_seqlens): a fake kernel sees shapes, not values, so it cannot raise
+    them."""
+
+    op: str
+    args: tuple
+    error: type[Exception]
+    match: str
+    value_dependent: bool = False
+
+
+@dataclass
+class InvarianceCase:
+    """One status-matrix case: the harness inputs (``rl_engine_ext.testing.check_invariance``), the
+    accuracy comparison and any op-specific invariance checks beyond the harness."""
+
+    fn: Callable[..., Any]
+    rows: Sequence[torch.Tensor]
+    params: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    weight_grad_tile: int | None = None
+    weight_grad_chain: ChainFn | None = None
+    # () -> (dtype-path output, fp32 ground truth) for the Axis-B check.
+    accuracy: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # () -> further forward drifts (e.g. KV-cache decode vs prefill).
+    extra_forward: Callable[[], list[Drift]] | None = None
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op family: its schema ops and what the generic machinery needs.
+
+    ``check_shapes`` are the status-matrix shapes, each a mapping of labelled sizes passed as
+    keyword arguments to ``invariance_case(device, dtype, **shape)``. ``constants`` are the values
+    shared with the C++ kernels; the native library exports each under the same name
+    (``rl_engine_ext._C.<NAME>``) and a test compares them.
+    """
+
+    name: str
+    op_class: str
+    ops: tuple[OpDef, ...]
+    exports: Mapping[str, Any]
+    reference_fp32: Callable[..., Any]
+    samples: Callable[[str, torch.dtype], list[Sample]]
+    bad_inputs: Callable[[str], list[BadInput]]
+    check_shapes: tuple[Mapping[str, int], ...]
+    invariance_case: Callable[..., InvarianceCase]
+    constants: Mapping[str, int] = field(default_factory=dict)
+
+    def op(self, name: str) -> OpDef:
+        for op in self.ops:
+            if op.name == name:
+                return op
+        raise KeyError(f"{self.name} has no op {name!r}")
+
+
+def seeded_randn(*shape: int, dtype: torch.dtype, device: str | torch.device, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """Fresh random values from a seeded CPU generator: the same values on every device."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+

@@ -1,0 +1,258 @@
+"""Generic tests over the op registry (rl_engine_ext.ops.SPECS): every op gets them by being
+registered. Op-specific tests (every-M rows, layouts, chaining, paths) live in test_<op>.py.
+
+This file also runs whole without the native library (test_fallback_without_native_library runs
+it in a subprocess with RL_ENGINE_EXT_NO_NATIVE=1): every test here holds for the native ops and
+for the pure-PyTorch references the shim registers in their place.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import rl_engine_ext
+from rl_engine_ext import _native, _shim
+from rl_engine_ext.ops import SPECS, op_defs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPEC_IDS = [s.name for s in SPECS]
+
+
+def _op(name: str):
+    return getattr(torch.ops.rl_align, name)
+
+
+def _map_tensors(args, fn):
+    return tuple(fn(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _detached(args):
+    return _map_tensors(args, lambda t: t.detach())
+
+
+@pytest.fixture(params=SPECS, ids=SPEC_IDS)
+def spec(request):
+    return request.param
+
+
+# ------------------------------------------------------------------------------------------
+# Registration: schemas, kernels per device, constants
+# ------------------------------------------------------------------------------------------
+
+
+def test_schema_block_and_registry_agree():
+    """schemas.def (the one schema block) names exactly the registry's ops, and torch.ops holds
+    exactly those schemas (native or shim)."""
+    declared = _shim.schemas()
+    assert set(declared) == set(op_defs())
+    for name, schema in declared.items():
+        assert str(_op(name).default._schema) == f"rl_align::{schema}"
+
+
+def test_native_kernels_per_device(spec):
+    """A native build has a CPU kernel for every op, and a CUDA kernel for every op when torch and
+    the build have CUDA; without the native library nothing is native and every op still runs."""
+    for op in spec.ops:
+        if rl_engine_ext.NATIVE_AVAILABLE:
+            assert rl_engine_ext.has_native_kernel(op.name, "cpu"), op.name
+            if torch.cuda.is_available() and os.environ.get("RL_ENGINE_EXT_CPU_ONLY", "0") != "1":
+                assert rl_engine_ext.has_native_kernel(op.name, "cuda"), op.name
+        else:
+            assert not rl_engine_ext.has_native_kernel(op.name, "cpu")
+        for device_type in ("meta", "xpu", "mps"):
+            assert rl_engine_ext.has_native_kernel(op.name, device_type) is False
+        for key in _shim.SHIM_DISPATCH_KEYS:  # native or shim: every device runs the op
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"rl_align::{op.name}", key)
+
+
+def test_has_native_kernel_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown device type 'foo'"):
+        rl_engine_ext.has_native_kernel("rms_norm", "foo")
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        rl_engine_ext.has_native_kernel("nope", "cpu")
+
+
+def test_constants_match_the_native_library(spec):
+    """Values shared with the kernels are defined once in Python and exported by the native
+    library under the same names; they must agree."""
+    assert all(getattr(rl_engine_ext, name, value) == value for name, value in spec.constants.items())
+    if rl_engine_ext.NATIVE_AVAILABLE:
+        for name, value in spec.constants.items():
+            assert getattr(_native.NATIVE_MODULE, name) == value, name
+
+
+def test_exports_are_package_attributes(spec):
+    for name, obj in spec.exports.items():
+        assert getattr(rl_engine_ext, name) is obj and name in rl_engine_ext.__all__
+
+
+# ------------------------------------------------------------------------------------------
+# opcheck, torch.compile, meta
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_opcheck(spec, device, dtype):
+    for sample in spec.samples(device, dtype):
+        torch.library.opcheck(_op(sample.op).default, sample.args)
+
+
+def test_torch_compile_fullgraph_matches_eager(spec, device):
+    """Each op compiles without a graph break and gives eager's bits, outputs and gradients."""
+    torch._dynamo.reset()
+    seen = set()
+    for sample in spec.samples(device, torch.bfloat16):
+        if sample.op in seen:
+            continue
+        seen.add(sample.op)
+        op = _op(sample.op)
+        compiled = torch.compile(lambda *a, op=op: op(*a), fullgraph=True)
+        eager_args = _map_tensors(sample.args, lambda t: t.detach().clone().requires_grad_(t.requires_grad))
+        compiled_args = _map_tensors(sample.args, lambda t: t.detach().clone().requires_grad_(t.requires_grad))
+        want, got = op(*eager_args), compiled(*compiled_args)
+        want, got = (want,) if isinstance(want, torch.Tensor) else want, (got,) if isinstance(got, torch.Tensor) else got
+        for w, g in zip(want, got):
+            assert torch.equal(g, w), sample.op
+        if want[0].requires_grad and want[0].numel():
+            cot = torch.ones_like(want[0])
+            want[0].backward(cot)
+            got[0].backward(cot)
+            for we, ge in zip(eager_args, compiled_args):
+                if isinstance(we, torch.Tensor) and we.requires_grad:
+                    assert torch.equal(ge.grad, we.grad), sample.op
+
+
+def test_meta_tensors_give_the_real_shapes(spec, device):
+    """All-meta arguments run the fake kernel: same shapes and dtypes as the real outputs."""
+    for sample in spec.samples(device, torch.float32):
+        args = _detached(sample.args)
+        real = _op(sample.op)(*args)
+        meta = _op(sample.op)(*_map_tensors(args, lambda t: t.to("meta")))
+        real, meta = (real,) if isinstance(real, torch.Tensor) else real, (meta,) if isinstance(meta, torch.Tensor) else meta
+        for r, m in zip(real, meta):
+            assert m.device.type == "meta" and m.shape == r.shape and m.dtype == r.dtype, sample.op
+
+
+def test_one_meta_argument_is_an_error(spec, device):
+    """A call mixing real tensors with a meta tensor reaches the fake kernel, which must raise
+    (it used to hand back an uninitialised tensor on the real device)."""
+    for sample in spec.samples(device, torch.float32):
+        args = _detached(sample.args)
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            mixed = args[:i] + (a.to("meta"),) + args[i + 1 :]
+            if all(t.device.type == "meta" for t in mixed if isinstance(t, torch.Tensor)):
+                continue  # a single tensor argument: an all-meta call is legitimate
+            with pytest.raises(RuntimeError, match=rf"rl_align::{sample.op}: .*meta"):
+                _op(sample.op)(*mixed)
+
+
+def test_backward_and_inference_ops_are_not_differentiable(spec, device):
+    """Differentiating through an op without a derivative (backward ops, the KV-cache op) raises
+    rather than silently treating it as a constant."""
+    for op in spec.ops:
+        if op.autograd is not None:
+            continue
+        sample = next(s for s in spec.samples(device, torch.float32) if s.op == op.name)
+        args = _map_tensors(sample.args, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()))
+        out = _op(op.name)(*args)
+        first = out if isinstance(out, torch.Tensor) else out[0]
+        with pytest.raises(RuntimeError, match="not implemented"):
+            first.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input: the native op, the reference and the fake raise the same
+# ------------------------------------------------------------------------------------------
+
+
+def _assert_raises_everywhere(op_name: str, args: tuple, error: type[Exception], match: str, value_dependent: bool):
+    pattern = rf"rl_align::{op_name}: .*{match}"
+    with pytest.raises(error, match=pattern):
+        _op(op_name)(*args)
+    with pytest.raises(error, match=pattern):
+        op_defs()[op_name].reference(*args)
+    if not value_dependent:
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            fake_args = _map_tensors(args, mode.from_tensor)
+            with pytest.raises(error, match=pattern):
+                _op(op_name)(*fake_args)
+
+
+def test_bad_inputs(spec, device):
+    bad = spec.bad_inputs(device)
+    assert bad, "every op lists its bad inputs"
+    for case in bad:
+        _assert_raises_everywhere(case.op, case.args, case.error, case.match, case.value_dependent)
+
+
+@pytest.mark.parametrize("bad_dtype", [torch.float64, torch.float8_e4m3fn], ids=["fp64", "fp8"])
+def test_unsupported_dtypes(spec, device, bad_dtype):
+    """The dtype policy: every floating input in an unsupported dtype is a ValueError naming the
+    op and the dtype."""
+    for sample in spec.samples(device, torch.float32):
+        args = _map_tensors(_detached(sample.args), lambda t: t.to(bad_dtype) if t.is_floating_point() else t)
+        _assert_raises_everywhere(sample.op, args, ValueError, str(bad_dtype).removeprefix("torch."), False)
+
+
+# ------------------------------------------------------------------------------------------
+# The shim: references where there is no native kernel
+# ------------------------------------------------------------------------------------------
+
+
+def test_reference_runs_where_no_native_kernel(spec, device):
+    """On a device without a native kernel (every device without the native library; CUDA
+    tensors with a CPU-only build) the op runs its reference, warning once per (op, device) when
+    the native library is loaded; a native kernel never warns."""
+    for sample in spec.samples(device, torch.float32):
+        args = _detached(sample.args)
+        native = rl_engine_ext.has_native_kernel(sample.op, device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _op(sample.op)(*args)
+            again = _op(sample.op)(*args)
+        ours = [w for w in caught if f"rl_align::{sample.op} has no native kernel" in str(w.message)]
+        if native or not rl_engine_ext.NATIVE_AVAILABLE:
+            assert not ours, sample.op
+        else:
+            # warned at most once per (op, device) over the whole session
+            assert len(ours) <= 1 and _native.dispatch_key(device) in str(ours[0].message) if ours else True
+            want = op_defs()[sample.op].reference(*args)
+            for g, w in zip((got,) if isinstance(got, torch.Tensor) else got, (want,) if isinstance(want, torch.Tensor) else want):
+                assert torch.equal(g, w), sample.op
+        for g, a in zip((got,) if isinstance(got, torch.Tensor) else got, (again,) if isinstance(again, torch.Tensor) else again):
+            assert torch.equal(g, a), sample.op
+
+
+def test_fallback_without_native_library():
+    """This whole file passes with RL_ENGINE_EXT_NO_NATIVE=1 (the shim defines every schema and
+    registers the references, fakes and autograd), and the import warns exactly once."""
+    if not rl_engine_ext.NATIVE_AVAILABLE:
+        pytest.fail("run from the native suite only (the subprocess below deselects this test)")
+    env = dict(os.environ, RL_ENGINE_EXT_NO_NATIVE="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(HERE, "test_registry.py"),
+         "-k", "not test_fallback_without_native_library", "-m", "not cuda"],
+        env=env, capture_output=True, text=True, cwd=os.path.dirname(HERE),
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    script = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import rl_engine_ext\n"
+        "msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]\n"
+        "assert len(msgs) == 1 and 'NOT guaranteed' in msgs[0], msgs\n"
+        "assert not rl_engine_ext.NATIVE_AVAILABLE and 'RL_ENGINE_EXT_NO_NATIVE' in rl_engine_ext.NATIVE_UNAVAILABLE_REASON\n"
+        "print('one warning')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "one warning" in done.stdout, done.stdout + done.stderr
