@@ -8,8 +8,10 @@ Decode: batch 64, one query per sequence, KV lengths {1024, 4096, 16384}: attent
 SDPA (no mask: the query is the last position); achieved K/V read rate (2 * B * Hkv * L * D *
 bytes / time) against the measured copy bandwidth (bytes read + written per second).
 Targets (H100, bf16): fwd S=4096 >= 0.80x SDPA, fwd+bwd >= 0.70x, decode (L >= 4096) >= 0.85x.
-GPU time per call from triton's do_bench (L2 flushed). Prints a summary and PASS/MISS per
-target (never asserts). --quick: tiny shapes (CPU smoke test).
+GPU time per call from triton's do_bench (L2 flushed); ours and SDPA are timed A-B-B-A
+(common.bench_abba): ratio_vs_sdpa is the mean of ratio_vs_sdpa_pair1 and _pair2. Prints one
+line per point (with both pair ratios) and PASS/MISS per target from the mean ratio (never
+asserts). --quick: tiny shapes (CPU smoke test).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    CsvWriter, bench, bench_arg_parser, device_info, grouped_bars, measure_copy_bandwidth, median_of, pyplot,
-    save_figure,
+    ABBA_LEGEND, CsvWriter, bench_abba, bench_arg_parser, device_info, grouped_bars, measure_copy_bandwidth,
+    median_of, pyplot, save_figure, verdict,
 )
 
 HQ, HKV = 32, 8
@@ -106,30 +108,29 @@ def main() -> int:
             copy_bw / 1e12, unit="TB/s")
     print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
           f"| copy {copy_bw / 1e12:.3f} TB/s")
+    print(ABBA_LEGEND)
     gen = torch.Generator().manual_seed(0)
-    summary = []  # (mode, shape, ours_us, sdpa_us, ratio, extra)
+    summary = []  # (mode, shape, ours_us, sdpa_us, ratio, pairs, extra)
 
-    def record(mode, shape, times, flops=None, kv_bytes=None):
-        ours, theirs = times["rl_engine_ext"], times["sdpa"]
-        ratio = theirs.median_us / ours.median_us
-        for provider, t in times.items():
-            name = provider if provider == "rl_engine_ext" else sdpa_name
-            out.add("attention", name, shape, "bf16", mode, "time_us", t.median_us, t.p20_us, t.p80_us, "us")
+    def record(mode, shape, ours_fn, sdpa_fn, flops=None, kv_bytes=None):
+        pair = bench_abba(ours_fn, sdpa_fn, device=device, rep_ms=rep_ms)
+
+        def per_side(t):
             if flops is not None:
-                out.add("attention", name, shape, "bf16", mode, "TFLOPs", flops / (t.median_us * 1e-6) / 1e12,
-                        unit="TFLOP/s")
-            if kv_bytes is not None:
-                bw = kv_bytes / (t.median_us * 1e-6)
-                out.add("attention", name, shape, "bf16", mode, "bandwidth_TBps", bw / 1e12, unit="TB/s")
-                out.add("attention", name, shape, "bf16", mode, "frac_of_copy", bw / copy_bw)
-        out.add("attention", "rl_engine_ext", shape, "bf16", mode, "ratio_vs_sdpa", ratio)
-        extra = (f"{flops / (ours.median_us * 1e-6) / 1e12:7.1f} vs {flops / (theirs.median_us * 1e-6) / 1e12:7.1f} TFLOP/s"
+                return [("TFLOPs", flops / (t.median_us * 1e-6) / 1e12, "TFLOP/s")]
+            bw = kv_bytes / (t.median_us * 1e-6)
+            return [("bandwidth_TBps", bw / 1e12, "TB/s"), ("frac_of_copy", bw / copy_bw, "")]
+
+        out.add_pair("attention", shape, "bf16", mode, pair, reference=sdpa_name, ratio_metric="ratio_vs_sdpa",
+                     per_side=per_side)
+        ours, theirs = pair.ours.median_us, pair.reference.median_us
+        extra = (f"{flops / (ours * 1e-6) / 1e12:7.1f} vs {flops / (theirs * 1e-6) / 1e12:7.1f} TFLOP/s"
                  if flops is not None else
-                 f"K/V read {kv_bytes / (ours.median_us * 1e-6) / 1e12:.2f} vs {kv_bytes / (theirs.median_us * 1e-6) / 1e12:.2f} TB/s"
-                 f" ({kv_bytes / (ours.median_us * 1e-6) / copy_bw:.2f} of copy)")
-        summary.append((mode, shape, ours.median_us, theirs.median_us, ratio, extra))
-        print(f"{mode:>8} {shape:>22} ours {ours.median_us:10.1f} us  {sdpa_name} {theirs.median_us:10.1f} us  "
-              f"ratio {ratio:.3f}  {extra}", flush=True)
+                 f"K/V read {kv_bytes / (ours * 1e-6) / 1e12:.2f} vs {kv_bytes / (theirs * 1e-6) / 1e12:.2f} TB/s"
+                 f" ({kv_bytes / (ours * 1e-6) / copy_bw:.2f} of copy)")
+        summary.append((mode, shape, ours, theirs, pair.ratio, pair.pairs, extra))
+        print(f"{mode:>8} {shape:>22} ours {ours:10.1f} us  {sdpa_name} {theirs:10.1f} us  "
+              f"ratio {pair.ratio:.3f} (pairs {pair.pairs})  {extra}", flush=True)
 
     for s in seqs:
         q = torch.randn(batch, HQ, s, d, generator=gen).to(device=device, dtype=dtype)
@@ -138,11 +139,9 @@ def main() -> int:
         sdpa_name, sdpa, ks, vs = sdpa_variant(q, k, v, True, device)
         shape = f"B{batch}_H{HQ}/{HKV}_S{s}_D{d}"
         flops = 2 * 2 * batch * HQ * s * s * d / 2
-        record("fwd", shape, {"rl_engine_ext": bench(lambda: rl_engine_ext.attention(q, k, v), device=device, rep_ms=rep_ms),
-                              "sdpa": bench(lambda: sdpa(q, ks, vs), device=device, rep_ms=rep_ms)}, flops=flops)
-        record("fwd+bwd", shape,
-               {"rl_engine_ext": bench(fwd_bwd(rl_engine_ext.attention, q, k, v, dout), device=device, rep_ms=rep_ms),
-                "sdpa": bench(fwd_bwd(sdpa, q, ks, vs, dout), device=device, rep_ms=rep_ms)}, flops=3.5 * flops)
+        record("fwd", shape, lambda: rl_engine_ext.attention(q, k, v), lambda: sdpa(q, ks, vs), flops=flops)
+        record("fwd+bwd", shape, fwd_bwd(rl_engine_ext.attention, q, k, v, dout), fwd_bwd(sdpa, q, ks, vs, dout),
+               flops=3.5 * flops)
         del q, k, v, dout, ks, vs
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -154,8 +153,7 @@ def main() -> int:
         sdpa_name, sdpa, ks, vs = sdpa_variant(q, k, v, False, device)
         kv_bytes = 2 * dec_batch * HKV * length * d * q.element_size()
         record("decode", f"B{dec_batch}_H{HQ}/{HKV}_L{length}_D{d}",
-               {"rl_engine_ext": bench(lambda: rl_engine_ext.attention_kvcache(q, k, v, lens), device=device, rep_ms=rep_ms),
-                "sdpa": bench(lambda: sdpa(q, ks, vs), device=device, rep_ms=rep_ms)}, kv_bytes=kv_bytes)
+               lambda: rl_engine_ext.attention_kvcache(q, k, v, lens), lambda: sdpa(q, ks, vs), kv_bytes=kv_bytes)
         del q, k, v, ks, vs
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -164,10 +162,6 @@ def main() -> int:
     png = out.path.replace(".csv", ".png")
     plot(out.rows, png, f"attention on {info['gpu']} (torch {info['torch']}, CUDA {info['cuda']}), bf16, causal", copy_bw / 1e12)
     print(f"# wrote {out.path} and {png}")
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "MISS"
-
     print("# targets (bf16, ratio = SDPA time / ours)")
     for mode, target, pick in (("fwd", 0.80, lambda sh: sh.endswith(f"S{max(seqs)}_D{d}")),
                                ("fwd+bwd", 0.70, lambda sh: sh.endswith(f"S{max(seqs)}_D{d}")),
@@ -175,7 +169,8 @@ def main() -> int:
         rs = [r for r in summary if r[0] == mode and pick(r[1])]
         if rs:
             lo = min(r[4] for r in rs)
-            print(f"{mode}: min ratio {lo:.3f} (>= {target:.2f} {verdict(lo >= target)}) " + "; ".join(f"{r[1]} {r[4]:.3f}" for r in rs))
+            print(f"{mode}: min ratio {lo:.3f} (>= {target:.2f} {verdict(lo >= target)}) "
+                  + "; ".join(f"{r[1]} {r[4]:.3f} (pairs {r[5]})" for r in rs))
     return 0
 
 

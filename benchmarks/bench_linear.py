@@ -14,6 +14,8 @@ ratio_vs_cublas = t_cublas / t_ours (>1: we are faster), and for M <= 64 the wei
 rate (N*K*elem bytes of weight read per second) as bandwidth_TBps and frac_of_copy, against the
 measured device copy rate (bytes read + written per second). The weight read alone is compared
 with it, so 1.0 means the weight streams as fast as a large copy moves data.
+Ours and cuBLAS are timed A-B-B-A (common.bench_abba): time_us is each side's mean of its two
+medians, ratio_vs_cublas the mean of the two pair ratios ratio_vs_cublas_pair1 / _pair2.
 Targets (H100, bf16): fwd M=4096 geomean >= 0.90 and min >= 0.85; fwd M in {1,16,64} >= 0.85 on
 every shape and M=1 weight streaming >= 0.70 of copy; dgrad and wgrad M=4096 geomean >= 0.85.
 The run prints a summary table and PASS/MISS per target (never asserts). A point (shape, M, mode)
@@ -34,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    CsvWriter, bench, bench_arg_parser, device_info, grouped_bars, measure_copy_bandwidth, measure_matmul_peak,
-    median_of, pyplot, save_figure,
+    ABBA_LEGEND, CsvWriter, bench_abba, bench_arg_parser, device_info, grouped_bars, measure_copy_bandwidth,
+    measure_matmul_peak, median_of, pyplot, save_figure, verdict,
 )
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
@@ -119,7 +121,7 @@ def main() -> int:
     print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
           f"| copy {copy_bw / 1e12:.3f} TB/s | torch.matmul bf16 {peak_n}^3 {peak / 1e12:.3g} TFLOP/s")
 
-    summary = []  # (mode, dtype, name, m, n, k, ours_us, cublas_us, ratio, frac_copy)
+    summary = []  # (mode, dtype, name, m, n, k, ours_us, cublas_us, ratio, frac_copy, pairs)
     gen = torch.Generator().manual_seed(0)
     for dtype_name in args.dtypes.split(","):
         dtype = DTYPES[dtype_name]
@@ -139,32 +141,30 @@ def main() -> int:
                 flops = 2 * m * n * k
                 weight_bytes = n * k * w.element_size()
                 for mode in modes:
-                    rows = []  # staged: a point writes rows only when both providers ran
-                    times = {}
+                    fns = providers(mode, x, w, dy)
                     try:
-                        for provider, fn in providers(mode, x, w, dy).items():
-                            t = bench(fn, device=device, rep_ms=rep_ms)
-                            times[provider] = t.median_us
-                            rows.append((provider, "time_us", t.median_us, t.p20_us, t.p80_us, "us"))
-                            rows.append((provider, "TFLOPs", flops / (t.median_us * 1e-6) / 1e12, None, None, "TFLOP/s"))
-                            if m <= 64:
-                                bw = weight_bytes / (t.median_us * 1e-6)
-                                rows.append((provider, "bandwidth_TBps", bw / 1e12, None, None, "TB/s"))
-                                rows.append((provider, "frac_of_copy", bw / copy_bw, None, None, ""))
-                    except torch.cuda.OutOfMemoryError:
+                        pair = bench_abba(fns["rl_engine_ext"], fns["cublas"], device=device, rep_ms=rep_ms)
+                    except torch.cuda.OutOfMemoryError:  # a point writes rows only when both providers ran
                         print(f"# skipped {mode} {dtype_name} {name} M={m}: out of memory", flush=True)
                         if device == "cuda":
                             torch.cuda.empty_cache()
                         continue
-                    ratio = times["cublas"] / times["rl_engine_ext"]
-                    rows.append(("rl_engine_ext", "ratio_vs_cublas", ratio, None, None, ""))
-                    for provider, metric, median, p20, p80, unit in rows:
-                        out.add("linear", provider, shape, dtype_name, mode, metric, median, p20, p80, unit)
-                    frac = weight_bytes / (times["rl_engine_ext"] * 1e-6) / copy_bw
-                    summary.append((mode, dtype_name, name, m, n, k, times["rl_engine_ext"], times["cublas"],
-                                    ratio, frac if m <= 64 else float("nan")))
-                    print(f"{mode:>5} {dtype_name} {name:>8} M={m:<6} ours {times['rl_engine_ext']:10.1f} us  "
-                          f"cuBLAS {times['cublas']:10.1f} us  ratio {ratio:.3f}"
+
+                    def per_side(t, flops=flops, weight_bytes=weight_bytes, m=m):
+                        rows = [("TFLOPs", flops / (t.median_us * 1e-6) / 1e12, "TFLOP/s")]
+                        if m <= 64:
+                            bw = weight_bytes / (t.median_us * 1e-6)
+                            rows += [("bandwidth_TBps", bw / 1e12, "TB/s"), ("frac_of_copy", bw / copy_bw, "")]
+                        return rows
+
+                    out.add_pair("linear", shape, dtype_name, mode, pair, reference="cublas",
+                                 ratio_metric="ratio_vs_cublas", per_side=per_side)
+                    ours, theirs = pair.ours.median_us, pair.reference.median_us
+                    frac = weight_bytes / (ours * 1e-6) / copy_bw
+                    summary.append((mode, dtype_name, name, m, n, k, ours, theirs, pair.ratio,
+                                    frac if m <= 64 else float("nan"), pair.pairs))
+                    print(f"{mode:>5} {dtype_name} {name:>8} M={m:<6} ours {ours:10.1f} us  cuBLAS {theirs:10.1f} us  "
+                          f"ratio {pair.ratio:.3f} (pairs {pair.pairs})"
                           + (f"  weight stream {frac:.2f} of copy" if m <= 64 else ""), flush=True)
                 x = dy = None
                 if device == "cuda":
@@ -176,19 +176,17 @@ def main() -> int:
     png = out.path.replace(".csv", ".png")
     plot(out.rows, png, f"linear on {info['gpu']} (torch {info['torch']}, CUDA {info['cuda']}): cuBLAS time / ours")
     print(f"# wrote {out.path} and {png}")
+    print(ABBA_LEGEND)
     print(f"{'mode':>5} {'dtype':>5} {'shape':>8} {'N x K':>12} {'M':>6} {'ours us':>10} {'cuBLAS us':>10} "
-          f"{'ours TF/s':>9} {'ratio':>6} {'w-stream/copy':>13}")
-    for mode, dt, name, m, n, k, ours, theirs, ratio, frac in sorted(
+          f"{'ours TF/s':>9} {'ratio':>6} {'pairs':>11} {'w-stream/copy':>13}")
+    for mode, dt, name, m, n, k, ours, theirs, ratio, frac, pairs in sorted(
             summary, key=lambda s: (MODES.index(s[0]), s[1], list(shapes).index(s[2]), s[3])):
         tflops = 2 * m * n * k / (ours * 1e-6) / 1e12
         print(f"{mode:>5} {dt:>5} {name:>8} {f'{n}x{k}':>12} {m:>6} {ours:10.1f} {theirs:10.1f} {tflops:9.3g} "
-              f"{ratio:6.3f} {'' if math.isnan(frac) else f'{frac:.3f}':>13}")
+              f"{ratio:6.3f} {pairs:>11} {'' if math.isnan(frac) else f'{frac:.3f}':>13}")
 
     def sel(mode, m, dtype_name="bf16"):
         return [s for s in summary if s[0] == mode and s[3] == m and s[1] == dtype_name]
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "MISS"
 
     print("# targets (bf16, ratio = cuBLAS time / ours)")
     fwd4096 = [s[8] for s in sel("fwd", 4096)]

@@ -5,6 +5,8 @@
 Bytes moved (the minimum): fwd = read x + write y + read w; fwd+bwd adds read dy, x, w and
 write dx, dw. The limit is bytes / measured copy bandwidth (read + write). A same-size copy
 (y.copy_(x)) is timed too: at small sizes even a copy stays below the large-copy bandwidth.
+Ours and F.rms_norm are timed A-B-B-A (common.bench_abba), GPU time and wall time alike: rows
+ratio_vs_torch (mean of the two pair ratios) with _pair1/_pair2, and wall_ratio_vs_torch likewise.
 Targets (H100, bf16): fwd >= 0.85 of copy bandwidth at M >= 4096, H=4096; M=1 <= 10 us per
 call; fwd+bwd >= 0.70 of copy bandwidth at M=16384.
 """
@@ -22,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    CsvWriter, bench, bench_arg_parser, bench_wall, device_info, measure_copy_bandwidth, plot_fraction_of_limit,
+    ABBA_LEGEND, CsvWriter, bench, bench_abba, bench_arg_parser, device_info, measure_copy_bandwidth,
+    plot_fraction_of_limit,
 )
 
 EPS = 1e-6
@@ -76,11 +79,10 @@ def main() -> int:
                     if mode == "fwd":
                         out.add("rms_norm", "copy_same_size", shape, dtype_name, mode, "frac_of_copy",
                                 2 * rows * hidden * elem / (same_size_copy.median_us * 1e-6) / copy_bw)
-                    results = {}
+                    fns = {}
                     for provider, op in providers().items():
                         if mode == "fwd":
-                            fn = lambda op=op: op(x, w)  # noqa: E731
-                            grad_to_none = None
+                            fns[provider] = lambda op=op: op(x, w)
                         else:
                             xg = x.clone().requires_grad_()
                             wg = w.clone().requires_grad_()
@@ -90,28 +92,30 @@ def main() -> int:
                                 wg.grad = None
                                 op(xg, wg).backward(dy)
 
-                        t = bench(fn, device=device, rep_ms=rep_ms)
-                        wall = bench_wall(fn, device=device, iters=20 if args.quick else 200)
-                        results[provider] = t
+                            fns[provider] = fn
+                    pair = bench_abba(fns["rl_engine_ext"], fns["torch"], device=device, rep_ms=rep_ms, wall=True,
+                                      wall_iters=20 if args.quick else 200)
+
+                    def per_side(t, nbytes=nbytes):
                         bw = nbytes / (t.median_us * 1e-6)
-                        out.add("rms_norm", provider, shape, dtype_name, mode, "time_us", t.median_us, t.p20_us, t.p80_us, "us")
-                        out.add("rms_norm", provider, shape, dtype_name, mode, "wall_us", wall.median_us, wall.p20_us, wall.p80_us, "us")
-                        out.add("rms_norm", provider, shape, dtype_name, mode, "bandwidth_TBps", bw / 1e12, unit="TB/s")
-                        out.add("rms_norm", provider, shape, dtype_name, mode, "frac_of_copy", bw / copy_bw)
-                        if provider == "rl_engine_ext":
-                            ours_wall = wall
-                    ratio = results["torch"].median_us / results["rl_engine_ext"].median_us
-                    out.add("rms_norm", "rl_engine_ext", shape, dtype_name, mode, "ratio_vs_torch", ratio)
-                    ours = results["rl_engine_ext"].median_us
-                    table.append((shape, dtype_name, mode, ours, results["torch"].median_us, ratio,
-                                  nbytes / (ours * 1e-6) / copy_bw, ours_wall.median_us, limit_us))
+                        return [("bandwidth_TBps", bw / 1e12, "TB/s"), ("frac_of_copy", bw / copy_bw, "")]
+
+                    out.add_pair("rms_norm", shape, dtype_name, mode, pair, reference="torch",
+                                 ratio_metric="ratio_vs_torch", per_side=per_side)
+                    ours = pair.ours.median_us
+                    table.append((shape, dtype_name, mode, ours, pair.reference.median_us, pair.ratio, pair.pairs,
+                                  nbytes / (ours * 1e-6) / copy_bw, pair.wall.ours.median_us, pair.wall.ratio,
+                                  limit_us))
     out.write()
     png = out.path.replace(".csv", ".png")
     plot_fraction_of_limit(out.rows, png, f"rms_norm on {info['gpu']} (torch {info['torch']}, CUDA {info['cuda']})")
     print(f"# wrote {out.path} and {png}")
-    print(f"{'shape':>11} {'dtype':>5} {'mode':>8} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'frac copy':>9} {'wall us':>8} {'limit us':>9}")
-    for shape, dt, mode, ours, theirs, ratio, frac, wall, limit in table:
-        print(f"{shape:>11} {dt:>5} {mode:>8} {ours:9.2f} {theirs:9.2f} {ratio:8.2f} {frac:9.3f} {wall:8.2f} {limit:9.2f}")
+    print(ABBA_LEGEND + "; speedup = ratio; wall x = ratio of the wall times")
+    print(f"{'shape':>11} {'dtype':>5} {'mode':>8} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'pairs':>11} "
+          f"{'frac copy':>9} {'wall us':>8} {'wall x':>6} {'limit us':>9}")
+    for shape, dt, mode, ours, theirs, ratio, pairs, frac, wall, wall_ratio, limit in table:
+        print(f"{shape:>11} {dt:>5} {mode:>8} {ours:9.2f} {theirs:9.2f} {ratio:8.2f} {pairs:>11} {frac:9.3f} "
+              f"{wall:8.2f} {wall_ratio:6.2f} {limit:9.2f}")
     print("# targets (bf16): fwd frac copy >= 0.85 at 4096x4096 and 16384x4096; 1x4096 fwd <= 10 us; "
           "fwd+bwd frac copy >= 0.70 at 16384x4096")
     return 0

@@ -2,12 +2,15 @@
 
 Every benchmark reports ratios measured in one run: our op vs the PyTorch native op and vs the
 physical limit (bytes moved / measured copy bandwidth, or FLOPs / measured matmul peak).
+Ours and the reference are always timed A-B-B-A (bench_abba): on an H100 the order alone moved
+GEMM ratios by up to 10%, so both pair ratios are reported next to their mean.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import platform
 import statistics
@@ -78,6 +81,68 @@ def bench_wall(fn: Callable[[], object], *, device: str, iters: int = 200, loops
     return _quantiles(samples[1:])  # the first loop warms up
 
 
+@dataclass(frozen=True)
+class PairTiming:
+    """Ours (A) and the reference (B) timed in the order A1, B1, B2, A2 (see bench_abba).
+
+    ours / reference: each side's two timings summarised as the mean of their two medians (and
+    likewise the mean of the two p20s and of the two p80s): the two timings are equal-weight
+    halves of the measurement, and bench() returns quantiles, not samples, so nothing is pooled.
+    pair1 = B1 / A1 and pair2 = B2 / A2 (reference time / ours, from the medians: > 1 means ours
+    is faster); ratio = their arithmetic mean. ratio is NOT reference.median_us / ours.median_us
+    (close to it, not equal). wall: the same for bench_wall timings when asked for, else None.
+    """
+    ours: Timing
+    reference: Timing
+    ours_runs: tuple[Timing, Timing]  # A1, A2
+    reference_runs: tuple[Timing, Timing]  # B1, B2
+    pair1: float
+    pair2: float
+    ratio: float
+    wall: PairTiming | None = None
+
+    @property
+    def pairs(self) -> str:
+        """Both pair ratios for a summary table, e.g. "1.024/0.991"."""
+        return f"{self.pair1:.3f}/{self.pair2:.3f}"
+
+
+ABBA_LEGEND = ("# A-B-B-A (ours, reference, reference, ours): times = mean of the two medians per side; "
+               "ratio = mean of the two pair ratios (reference time / ours); pairs = pair 1 / pair 2")
+
+
+def verdict(ok: bool) -> str:
+    """A target line's word."""
+    return "PASS" if ok else "MISS"
+
+
+def _mean_timing(a: Timing, b: Timing) -> Timing:
+    return Timing((a.median_us + b.median_us) / 2, (a.p20_us + b.p20_us) / 2, (a.p80_us + b.p80_us) / 2)
+
+
+def _abba(time_one: Callable[[Callable[[], object]], Timing], ours: Callable[[], object],
+          reference: Callable[[], object]) -> PairTiming:
+    a1 = time_one(ours)
+    b1 = time_one(reference)
+    b2 = time_one(reference)
+    a2 = time_one(ours)
+    pair1, pair2 = b1.median_us / a1.median_us, b2.median_us / a2.median_us
+    return PairTiming(_mean_timing(a1, a2), _mean_timing(b1, b2), (a1, a2), (b1, b2), pair1, pair2, (pair1 + pair2) / 2)
+
+
+def bench_abba(ours: Callable[[], object], reference: Callable[[], object], *, device: str, rep_ms: float = 100,
+               wall: bool = False, wall_iters: int = 200) -> PairTiming:
+    """Time ours and the reference A-B-B-A (ours, reference, reference, ours), each with bench()
+    at rep_ms; with wall=True then also A-B-B-A with bench_wall() at wall_iters (a second,
+    separate A-B-B-A after the first, returned as .wall). How the sides and the ratio are
+    summarised: see PairTiming."""
+    pair = _abba(lambda fn: bench(fn, device=device, rep_ms=rep_ms), ours, reference)
+    if not wall:
+        return pair
+    walls = _abba(lambda fn: bench_wall(fn, device=device, iters=wall_iters), ours, reference)
+    return dataclasses.replace(pair, wall=walls)
+
+
 def measure_copy_bandwidth(device: str) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
     nbytes = 2**30 if device == "cuda" else 2**26
@@ -110,6 +175,26 @@ class CsvWriter:
             "median": f"{median:.6g}", "p20": "" if p20 is None else f"{p20:.6g}",
             "p80": "" if p80 is None else f"{p80:.6g}", "unit": unit, **self.info,
         })
+
+    def add_pair(self, op: str, shape: str, dtype: str, mode: str, pair: PairTiming, *, reference: str,
+                 ratio_metric: str, ours: str = "rl_engine_ext",
+                 per_side: Callable[[Timing], Iterable[tuple[str, float, str]]] | None = None) -> None:
+        """The rows of one A-B-B-A comparison: time_us for both providers (see PairTiming), the
+        mean ratio as `ratio_metric` and the two pair ratios as `ratio_metric`_pair1 / _pair2 (on
+        the ours provider); with wall timings also wall_us for both and wall_`ratio_metric`
+        (+ _pair1 / _pair2). per_side(timing) -> [(metric, value, unit)]: rows derived from each
+        provider's summarised time (TFLOP/s, bandwidth, ...)."""
+        for prefix, p in (("", pair), ("wall_", pair.wall)):
+            if p is None:
+                continue
+            metric = "wall_us" if prefix else "time_us"
+            for provider, t in ((ours, p.ours), (reference, p.reference)):
+                self.add(op, provider, shape, dtype, mode, metric, t.median_us, t.p20_us, t.p80_us, "us")
+            for suffix, value in (("", p.ratio), ("_pair1", p.pair1), ("_pair2", p.pair2)):
+                self.add(op, ours, shape, dtype, mode, f"{prefix}{ratio_metric}{suffix}", value)
+        for provider, t in ((ours, pair.ours), (reference, pair.reference)):
+            for metric, value, unit in (per_side(t) if per_side else ()):
+                self.add(op, provider, shape, dtype, mode, metric, value, unit=unit)
 
     def write(self) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
