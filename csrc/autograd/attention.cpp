@@ -7,9 +7,6 @@
 namespace rl_align {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 using AttentionOut = std::tuple<at::Tensor, at::Tensor>;
 using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 

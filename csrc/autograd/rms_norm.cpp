@@ -4,9 +4,6 @@
 namespace rl_align {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor kernel(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -28,6 +28,9 @@
 
 namespace rl_align {
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
 // The op `name` ("rl_align::<op>", default overload) as a typed handle; the dispatcher checks
 // Signature against the schema. Look it up once, into a function-local static.
 template <typename Signature>
