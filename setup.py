@@ -51,13 +51,25 @@ def native_extensions():
     from torch.utils import cpp_extension
 
     csrc = "csrc"
-    cpu_sources = [os.path.join(csrc, "registration.cpp"), os.path.join(csrc, "autograd.cpp")] + sorted(
-        glob.glob(os.path.join(csrc, "cpu", "*.cpp"))
+
+    def sources(folder: str, ext: str) -> list[str]:
+        return sorted(glob.glob(os.path.join(csrc, folder, "*." + ext)))
+
+    # Globs: a new op's files (csrc/{host,cpu,autograd,cuda}/<op>*) are picked up with no edit here.
+    cpu_sources = (
+        [os.path.join(csrc, "registration.cpp")]
+        + sources("host", "cpp")
+        + sources("autograd", "cpp")
+        + sources("cpu", "cpp")
     )
-    gpu_sources = sorted(glob.glob(os.path.join(csrc, "cuda", "*.cpp"))) + sorted(
-        glob.glob(os.path.join(csrc, "cuda", "*.cu"))
-    )
-    cxx_flags = ["-O3", "-std=c++17"]
+    gpu_sources = sources("cuda", "cpp") + sources("cuda", "cu")
+    # Float semantics of the C++ (CPU) kernels, pinned: they promise "an fp32 multiply, then an
+    # fp32 add; no fused multiply-add" (csrc/cpu/*_kernels.h). -ffp-contract=off keeps the
+    # compiler from fusing a*b+c into an FMA where the target has one (aarch64, -march=native, an
+    # FMA-capable x86 -march); -fno-fast-math keeps IEEE semantics (no reassociation, no
+    # flush-to-zero, NaN/inf honoured). On baseline x86-64 (no FMA) this changes no bit of today's
+    # results.
+    cxx_flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math"]
     is_rocm = torch.version.hip is not None
     has_gpu_toolchain = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None) or (
         is_rocm and cpp_extension.ROCM_HOME is not None
@@ -78,7 +90,11 @@ def native_extensions():
         else:
             # sm_80 and sm_90a by default; TORCH_CUDA_ARCH_LIST (read by torch) overrides.
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-            device_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+            # --fmad=true (nvcc's default, spelled out): FMA contraction is part of the documented
+            # GPU arithmetic. Which multiply-adds are fused is fixed by each path's compiled code,
+            # never by the batch; where two configurations must agree bit for bit, the GPU tests
+            # prove it. Never --use_fast_math.
+            device_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=true"]
         ext = cpp_extension.CUDAExtension(
             "rl_engine_ext._C",
             cpu_sources + gpu_sources,

@@ -1,4 +1,4 @@
-"""Writes csrc/cuda/wgmma_instructions.h: the wgmma.mma_async wrappers the sm90 GEMM uses.
+"""Writes csrc/primitives/wgmma_instructions.h: the wgmma.mma_async wrappers the sm90 GEMM uses.
 
 One wrapper per (n, input type): a wgmma instruction names all n/2 accumulator registers of a
 thread, which inline PTX can only spell out one by one. The layout flags (imm-trans-a/b) are
@@ -13,7 +13,7 @@ import os
 
 N_SIZES = (32, 64, 128, 256)
 TYPES = {"bfloat16_t": "bf16", "half_t": "f16"}
-HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cuda", "wgmma_instructions.h")
+HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "primitives", "wgmma_instructions.h")
 
 
 def wrapper(n: int, ctype: str, ptx: str) -> str:

@@ -23,7 +23,8 @@
 // Nothing in this chain depends on other sequences, other queries, how many queries share a
 // launch, or where the sequence sits in memory, so a token's out/lse are the same bits in a
 // batch of 1 or N, padded left or right, packed next to anything, in a chunked prefill at any
-// chunk size, or in a KV-cache decode step: the batch invariance contract (DESIGN.md section 2).
+// chunk size, or in a KV-cache decode step: the batch invariance contract
+// (docs/design.md, "The numerical contract").
 // Rows with no allowed key (q_len = 0 sequences have none) are never written by the kernels.
 //
 // Backward (q_len == kv_len, no KV cache), per sequence and head, with dO the output gradient:

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "dtype_dispatch.h"
+
 #if defined(__HIPCC__) || defined(USE_ROCM)
 #define RL_ALIGN_HIP 1
 #include <hip/hip_runtime.h>
@@ -37,6 +39,8 @@ using gpuError_t = RL_GPU(Error_t);
 using half_t = __half;
 constexpr gpuError_t kGpuSuccess = RL_GPU(Success);
 inline gpuError_t gpu_last_error() { return RL_GPU(GetLastError)(); }
+// The `unsupported` of dispatch_dtype<KernelTypes> for entry points returning gpuError_t.
+inline gpuError_t gpu_not_supported() { return RL_GPU(ErrorNotSupported); }
 inline const char* gpu_error_string(gpuError_t e) { return RL_GPU(GetErrorString)(e); }
 inline int current_device() {
   int d = 0;
@@ -65,9 +69,17 @@ constexpr int kWarpSize = 64;
 constexpr int kWarpSize = 32;
 #endif
 
-// Element types the kernels are instantiated for. The launcher maps torch dtypes onto these, so
-// kernels never see a torch type.
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// The GPU kernels' storage types per DType (DType itself: common/dtype_dispatch.h), for
+// dispatch_dtype<KernelTypes>.
+struct KernelTypes {
+  using Key = DType;
+  static constexpr DType kFloat32 = DType::kFloat32;
+  static constexpr DType kFloat16 = DType::kFloat16;
+  static constexpr DType kBFloat16 = DType::kBFloat16;
+  using Float32 = float;
+  using Float16 = half_t;
+  using BFloat16 = bfloat16_t;
+};
 
 // Device-only helpers below: host translation units (the torch launchers) include this header
 // for the types above and must not see them.

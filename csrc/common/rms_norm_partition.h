@@ -1,8 +1,8 @@
 // How rms_norm splits its work. Pure C++ (no CUDA, no torch): the CPU kernels, the GPU launchers
 // and the documentation all read the same numbers.
 //
-// Invariance rule (DESIGN.md §4.1): every value here is a function of the hidden size and the
-// element size only, never of the number of rows.
+// Invariance rule (docs/design.md, "Kernel rules"): every value here is a function of the hidden
+// size and the element size only, never of the number of rows.
 #pragma once
 
 #include <cstdint>
@@ -12,8 +12,8 @@ namespace rl_align {
 // dweight is a sum over rows. Rows are cut into tiles of this many rows, counted from the first
 // row of the call; each tile is summed in a fixed order and the tile sums are added to one fp32
 // accumulator in row order. Micro-batches whose row counts are multiples of this tile therefore
-// chain bit for bit (DESIGN.md §2c). Small rows get larger tiles so that the sequential
-// cross-tile pass stays short; the value depends on the hidden size alone.
+// chain bit for bit (docs/design.md, "rms_norm"). Small rows get larger tiles so that the
+// sequential cross-tile pass stays short; the value depends on the hidden size alone.
 constexpr int64_t kRmsNormTileElements = 131072;
 constexpr int64_t kRmsNormMinTileRows = 32;
 

@@ -1,7 +1,8 @@
 // Torch binding of the attention ops' CPU kernels (attention_cpu_kernels.cpp).
 #include <torch/library.h>
 
-#include "../attention_host.h"
+#include "../host/attention.h"
+#include "../host/native_constants.h"
 #include "attention_cpu_kernels.h"
 
 namespace rl_align {
@@ -18,6 +19,8 @@ struct CpuBackend {
 };
 
 }  // namespace
+
+RL_ALIGN_NATIVE_CONSTANT(ATTENTION_KV_BLOCK, kAttentionKvBlock);
 
 TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
   m.impl("attention", &attention_impl<CpuBackend>);

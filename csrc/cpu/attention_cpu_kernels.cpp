@@ -34,8 +34,8 @@
 #include <limits>
 #include <vector>
 
-#include "../rms_norm_host.h"
-#include "micro_kernel_cpu.h"
+#include "../host/common.h"
+#include "../primitives/micro_kernel_cpu.h"
 
 namespace rl_align {
 namespace {
@@ -426,7 +426,7 @@ void check_problem(const char* op, const AttentionProblem& p) {
 void attention_fwd_cpu(at::ScalarType dtype, const AttentionProblem& p) {
   if (p.num_seqs <= 0) return;
   check_problem("attention", p);
-  dispatch_supported_dtype("attention", dtype, [&](auto tag) {
+  dispatch_cpu_dtype("attention", dtype, [&](auto tag) {
     using T = decltype(tag);
     parallel_over_tiles<FwdScratch>(p, p.heads_q, false,
                                     [&](FwdScratch& w, const AttentionSeq& sq, int64_t h, int64_t i0) {
@@ -442,7 +442,7 @@ void attention_bwd_cpu(at::ScalarType dtype, const AttentionGradProblem& g) {
   TORCH_CHECK_VALUE(g.dout != nullptr && g.dq != nullptr && g.dk != nullptr && g.dv != nullptr &&
                         g.delta != nullptr,
                     "rl_align::attention_backward: null operand");
-  dispatch_supported_dtype("attention_backward", dtype, [&](auto tag) {
+  dispatch_cpu_dtype("attention_backward", dtype, [&](auto tag) {
     using T = decltype(tag);
     // Three passes, each complete before the next: delta, then dQ, then dK/dV (which read delta).
     parallel_over_tiles<NoScratch>(p, p.heads_q, false,

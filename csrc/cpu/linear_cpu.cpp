@@ -1,8 +1,9 @@
-// Torch binding of the linear ops' CPU kernels (linear_gemm_cpu.cpp).
+// Torch binding of the linear ops' CPU kernels (linear_cpu_kernels.cpp).
 #include <torch/library.h>
 
-#include "../linear_host.h"
-#include "linear_gemm_cpu.h"
+#include "../host/linear.h"
+#include "../host/native_constants.h"
+#include "linear_cpu_kernels.h"
 
 namespace rl_align {
 namespace {
@@ -13,12 +14,14 @@ struct CpuBackend {
     linear_gemm_cpu(dtype, p);
   }
   static void bias_grad(at::ScalarType dtype, const at::Tensor& dy, const float* accum, float* dbias) {
-    linear_bias_grad_cpu(dtype, dy.const_data_ptr(), row_stride(dy), dy.size(0), dy.size(1), accum,
+    linear_bias_bwd_cpu(dtype, dy.const_data_ptr(), row_stride(dy), dy.size(0), dy.size(1), accum,
                          dbias);
   }
 };
 
 }  // namespace
+
+RL_ALIGN_NATIVE_CONSTANT(LINEAR_GRAD_TILE_TOKENS, kLinearGradTileTokens);
 
 TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
   m.impl("linear", &linear_impl<CpuBackend>);

@@ -1,163 +1,39 @@
-// RMSNorm CPU kernels.
-//
-// Invariance: each row is reduced in a fixed order (kLanes interleaved fp32 partial sums, then a
-// fixed pairwise combine), and at::parallel_for only splits the rows, so neither the number of
-// rows nor the number of threads changes any row's arithmetic. dweight uses the same row tiles
-// as the GPU (rms_norm_dweight_tile_rows): rows summed in order inside a tile, tiles added to the
-// accumulator in order.
-#include <ATen/Parallel.h>
+// Torch binding of the rms_norm CPU kernels (rms_norm_cpu_kernels.cpp): the host flow is
+// rms_norm_impl (host/rms_norm.h); this backend supplies the kernel calls.
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <vector>
-
-#include "../rms_norm_host.h"
+#include "../host/native_constants.h"
+#include "../host/rms_norm.h"
+#include "rms_norm_cpu_kernels.h"
 
 namespace rl_align {
 namespace {
 
-// Interleaved partial sums let the compiler vectorise the loop while keeping a fixed order.
-constexpr int64_t kLanes = 16;
-
-// sum_h term(h) in a fixed order: kLanes interleaved fp32 partial sums (lane j takes h = j mod
-// kLanes, in increasing h), then a fixed pairwise combine of the lanes.
-template <typename Term>
-float lane_sum(int64_t hidden, Term term) {
-  float lanes[kLanes] = {};
-  int64_t h = 0;
-  for (; h + kLanes <= hidden; h += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += term(h + j);
+struct CpuBackend {
+  static void check_input(const char* op, const at::Tensor& x) {
+    TORCH_CHECK(x.device().is_cpu(), "rl_align::", op, " (CPU kernel): x must be a CPU tensor");
   }
-  for (int64_t j = 0; h + j < hidden; ++j) lanes[j] += term(h + j);
-  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
-    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  static void fwd(const char*, const at::Tensor& xr, const at::Tensor& w, const at::Tensor& yr,
+                  float eps) {
+    rms_norm_fwd_cpu(xr.scalar_type(), xr.const_data_ptr(), row_stride(xr), w.const_data_ptr(),
+                     yr.mutable_data_ptr(), row_stride(yr), xr.size(0), xr.size(1), eps);
   }
-  return lanes[0];
-}
-
-template <typename T>
-float sum_squares(const T* x, int64_t hidden) {
-  return lane_sum(hidden, [x](int64_t h) {
-    const float v = static_cast<float>(x[h]);
-    return v * v;
-  });
-}
-
-// sum_h dy[h] * w[h] * x[h], in the same lane order as sum_squares.
-template <typename T>
-float sum_grad_weight_x(const T* dy, const T* w, const T* x, int64_t hidden) {
-  return lane_sum(hidden, [dy, w, x](int64_t h) {
-    return static_cast<float>(dy[h]) * static_cast<float>(w[h]) * static_cast<float>(x[h]);
-  });
-}
-
-inline float inv_rms_of(float sum_sq, int64_t hidden, float eps) {
-  return 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
-}
-
-template <typename T>
-void rms_norm_fwd_cpu_kernel(const T* x, int64_t x_row_stride, const T* w, T* y,
-                             int64_t y_row_stride, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_row_stride;
-      T* yr = y + r * y_row_stride;
-      const float inv_rms = inv_rms_of(sum_squares(xr, hidden), hidden, eps);
-      for (int64_t h = 0; h < hidden; ++h) {
-        // (x * inv_rms) * w, one rounding at the end.
-        yr[h] = static_cast<T>(static_cast<float>(xr[h]) * inv_rms * static_cast<float>(w[h]));
-      }
-    }
-  });
-}
-
-template <typename T>
-void rms_norm_bwd_cpu_kernel(const T* dy, int64_t dy_row_stride, const T* x, int64_t x_row_stride,
-                             const T* w, T* dx, int64_t dx_row_stride, const float* dweight_accum,
-                             float* dweight_out, int64_t rows, int64_t hidden, float eps) {
-  const int64_t tile_rows = rms_norm_dweight_tile_rows(hidden);
-  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-  std::vector<float> tile_sums(static_cast<size_t>(tiles * hidden), 0.f);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* acc = tile_sums.data() + t * hidden;
-      const int64_t last = std::min(rows, (t + 1) * tile_rows);
-      for (int64_t r = t * tile_rows; r < last; ++r) {
-        const T* xr = x + r * x_row_stride;
-        const T* dyr = dy + r * dy_row_stride;
-        T* dxr = dx + r * dx_row_stride;
-        const float inv_rms = inv_rms_of(sum_squares(xr, hidden), hidden, eps);
-        // dx = inv_rms * (dy * w - xhat * c), c = mean(dy * w * xhat)
-        const float c =
-            sum_grad_weight_x(dyr, w, xr, hidden) * inv_rms / static_cast<float>(hidden);
-        for (int64_t h = 0; h < hidden; ++h) {
-          const float xhat = static_cast<float>(xr[h]) * inv_rms;
-          const float g = static_cast<float>(dyr[h]);
-          dxr[h] = static_cast<T>(inv_rms * (g * static_cast<float>(w[h]) - xhat * c));
-          acc[h] += g * xhat;
-        }
-      }
-    }
-  });
-  at::parallel_for(0, hidden, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) {
-      float total = dweight_accum != nullptr ? dweight_accum[h] : 0.f;
-      for (int64_t t = 0; t < tiles; ++t) total += tile_sums[t * hidden + h];
-      dweight_out[h] = total;
-    }
-  });
-}
-
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rms_norm_args("rms_norm", x, weight, eps);
-  TORCH_CHECK(x.device().is_cpu(), "rl_align::rms_norm (CPU kernel): x must be a CPU tensor");
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (x.numel() == 0) return y;
-  const at::Tensor xr = as_rows(x);
-  const at::Tensor w = weight.contiguous();
-  const at::Tensor yr = y.view({xr.size(0), xr.size(1)});
-  dispatch_supported_dtype("rms_norm", x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    rms_norm_fwd_cpu_kernel<scalar_t>(xr.const_data_ptr<scalar_t>(), row_stride(xr),
-                                      w.const_data_ptr<scalar_t>(), yr.mutable_data_ptr<scalar_t>(),
-                                      row_stride(yr), xr.size(0), xr.size(1),
-                                      static_cast<float>(eps));
-  });
-  return y;
-}
-
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, double eps,
-    const std::optional<at::Tensor>& dweight_accum) {
-  check_rms_norm_backward_args(grad_out, x, weight, eps, dweight_accum);
-  TORCH_CHECK(x.device().is_cpu(),
-              "rl_align::rms_norm_backward (CPU kernel): x must be a CPU tensor");
-  at::Tensor dx = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t hidden = x.size(-1);
-  at::Tensor dweight = at::empty({hidden}, x.options().dtype(at::kFloat));
-  const at::Tensor acc = dweight_accum.has_value() ? dweight_accum->contiguous() : at::Tensor();
-  if (hidden == 0) return {dx, dweight};
-  const at::Tensor xr = as_rows(x);
-  const at::Tensor gr = as_rows(grad_out);
-  const at::Tensor dxr = dx.view({xr.size(0), hidden});
-  const at::Tensor w = weight.contiguous();
-  dispatch_supported_dtype("rms_norm_backward", x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    rms_norm_bwd_cpu_kernel<scalar_t>(
-        gr.const_data_ptr<scalar_t>(), row_stride(gr), xr.const_data_ptr<scalar_t>(),
-        row_stride(xr), w.const_data_ptr<scalar_t>(), dxr.mutable_data_ptr<scalar_t>(),
-        row_stride(dxr), acc.defined() ? acc.const_data_ptr<float>() : nullptr,
-        dweight.mutable_data_ptr<float>(), xr.size(0), hidden, static_cast<float>(eps));
-  });
-  return {dx, dweight};
-}
+  static void bwd(const char*, const at::Tensor& gr, const at::Tensor& xr, const at::Tensor& w,
+                  const at::Tensor& dxr, const float* accum, const at::Tensor& dweight, float eps) {
+    rms_norm_bwd_cpu(xr.scalar_type(), gr.const_data_ptr(), row_stride(gr), xr.const_data_ptr(),
+                     row_stride(xr), w.const_data_ptr(), dxr.mutable_data_ptr(), row_stride(dxr),
+                     accum, dweight.mutable_data_ptr<float>(), xr.size(0), xr.size(1), eps);
+  }
+};
 
 }  // namespace
 
+RL_ALIGN_NATIVE_CONSTANT(RMS_NORM_TILE_ELEMENTS, kRmsNormTileElements);
+RL_ALIGN_NATIVE_CONSTANT(RMS_NORM_MIN_TILE_ROWS, kRmsNormMinTileRows);
+
 TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
-  m.impl("rms_norm", &rms_norm_cpu);
-  m.impl("rms_norm_backward", &rms_norm_backward_cpu);
+  m.impl("rms_norm", &rms_norm_impl<CpuBackend>);
+  m.impl("rms_norm_backward", &rms_norm_backward_impl<CpuBackend>);
 }
 
 }  // namespace rl_align

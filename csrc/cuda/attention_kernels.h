@@ -18,6 +18,9 @@ enum class AttentionPath : int {
   kSimt = 1,  // FMA kernels: fp32 everywhere (no TF32), other head dims, every dtype on HIP
 };
 
+// The simt path's largest head_dim (the sm80 path takes 64 and 128 only).
+constexpr int64_t kAttentionSimtMaxHeadDim = 256;
+
 // Whether `path` was compiled into this build and runs `dtype` x `head_dim` on `device`.
 bool attention_path_available(AttentionPath path, DType dtype, int64_t head_dim, int device);
 

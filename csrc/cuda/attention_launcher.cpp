@@ -11,7 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "../attention_host.h"
+#include "../host/attention.h"
 #include "attention_kernels.h"
 #include "launcher_util.h"
 

@@ -1,4 +1,4 @@
-// FMA (SIMT) attention, forward and backward, and the attention path table. The path for fp32
+// FMA (SIMT) attention, forward and backward. The path for fp32
 // (true fp32 FMA, never TF32) on every GPU, for head dims the tensor-core kernels lack (1..256),
 // and for every dtype on HIP: one source for CUDA and HIP, no architecture-specific instruction.
 // The arithmetic is the contract of csrc/common/attention_problem.h.
@@ -17,10 +17,9 @@
 //     and max are commutative, so every lane ends with the same bits).
 //   accumulations (P V, dS K, P^T dO, dS^T Q): one fmaf chain per output element, the 64 keys
 //     (or queries) of a block in increasing order, blocks in increasing order.
-//   forward: per 64-key block, m' = max(m, max_j scale s_j), alpha = expf(m - m'),
-//     p_j = expf(scale s_j - m') (masked: scale s_j = -inf, so p_j = 0), l = fmaf(l, alpha, sum p),
-//     acc = acc * alpha, then acc = fmaf(p_j, v_j, acc) for j in order; out = acc / l, lse =
-//     m + logf(l).
+//   forward: the recurrence of attention_problem.h with expf / logf; masked keys get
+//     scale s_j = -inf, so p_j = 0; fused steps: l = fmaf(l, alpha, sum p), and acc = acc * alpha
+//     then acc = fmaf(p_j, v_j, acc) for j in order.
 //   backward: delta, then dK/dV (CTA per key tile: the group's heads in increasing order, for
 //     each the query blocks in increasing order), then dQ (CTA per query tile: key blocks in
 //     increasing order). P = expf(fmaf(s, scale, -lse)) and dS = P (dP - delta), masked -> 0.
@@ -51,7 +50,7 @@ constexpr int kDepth = 16;                        // d values (or accumulation r
 // Transposed tiles in shared memory are [kDepth][kPitch] (or [kTile][kPitch]): with a pitch of
 // 64 + 2 words the stores of 16 lanes with consecutive depth index fall in distinct banks.
 constexpr int kPitch = kTile + 2;
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeadDim = static_cast<int>(kAttentionSimtMaxHeadDim);
 // dK and dV both stay in registers: at most 8 column groups (128 columns of d) per CTA, wider
 // heads take several column slices, each recomputing the scores.
 constexpr int kMaxGradColumnGroups = 8;
@@ -585,12 +584,8 @@ gpuError_t attention_fwd_simt(DType dtype, const AttentionProblem& p, gpuStream_
   const gpuError_t err = check_problem(p);
   if (err != kGpuSuccess) return err;
   if (p.num_seqs == 0 || p.max_q_len == 0) return kGpuSuccess;  // no query rows anywhere
-  switch (dtype) {
-    case DType::kFloat32: return dispatch_fwd<float>(p, stream);
-    case DType::kFloat16: return dispatch_fwd<half_t>(p, stream);
-    case DType::kBFloat16: return dispatch_fwd<bfloat16_t>(p, stream);
-  }
-  return RL_GPU(ErrorNotSupported);
+  return dispatch_dtype<KernelTypes>(
+      dtype, [&](auto tag) { return dispatch_fwd<decltype(tag)>(p, stream); }, gpu_not_supported);
 }
 
 gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& gp, gpuStream_t stream) {
@@ -601,30 +596,8 @@ gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& gp, gpuSt
     return RL_GPU(ErrorInvalidValue);
   }
   if (gp.fwd.num_seqs == 0 || gp.fwd.max_q_len == 0) return kGpuSuccess;  // no tokens anywhere
-  switch (dtype) {
-    case DType::kFloat32: return dispatch_bwd<float>(gp, stream);
-    case DType::kFloat16: return dispatch_bwd<half_t>(gp, stream);
-    case DType::kBFloat16: return dispatch_bwd<bfloat16_t>(gp, stream);
-  }
-  return RL_GPU(ErrorNotSupported);
-}
-
-bool attention_path_available(AttentionPath path, DType dtype, int64_t head_dim, int device) {
-  switch (path) {
-    case AttentionPath::kSimt: return head_dim >= 1 && head_dim <= kMaxHeadDim;
-    case AttentionPath::kSm80: {
-#if RL_ALIGN_HIP
-      (void)dtype;
-      (void)device;
-      return false;
-#else
-      int major = 0;
-      (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-      return dtype != DType::kFloat32 && major >= 8 && (head_dim == 64 || head_dim == 128);
-#endif
-    }
-  }
-  return false;
+  return dispatch_dtype<KernelTypes>(
+      dtype, [&](auto tag) { return dispatch_bwd<decltype(tag)>(gp, stream); }, gpu_not_supported);
 }
 
 }  // namespace rl_align

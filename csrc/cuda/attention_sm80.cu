@@ -44,7 +44,7 @@
 // it outright, which is the same thing. Keys past kv_len are cp.async zero fill and masked.
 #include "attention_kernels.h"
 #include "attention_sm80_common.h"
-#include "mma_sm80.h"
+#include "../primitives/mma_sm80.h"
 
 #if !RL_ALIGN_HIP
 
@@ -550,8 +550,8 @@ gpuError_t dispatch_head_dim(const AttentionProblem& p, gpuStream_t stream) {
 gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, gpuStream_t stream) {
   const gpuError_t err = sm80_attention_problem_error(dtype, p, p.heads_kv);  // grid y: kv heads
   if (err != cudaSuccess || p.num_seqs == 0 || p.max_q_len == 0) return err;
-  if (dtype == DType::kBFloat16) return dispatch_head_dim<bfloat16_t>(p, stream);
-  return dispatch_head_dim<half_t>(p, stream);
+  return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
+      dtype, [&](auto tag) { return dispatch_head_dim<decltype(tag)>(p, stream); }, gpu_not_supported);
 }
 
 }  // namespace rl_align

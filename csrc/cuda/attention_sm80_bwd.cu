@@ -44,7 +44,7 @@
 // accumulator's bits unchanged (x + 0 = x; +0 + -0 = +0; accumulators start at +0).
 #include "attention_kernels.h"
 #include "attention_sm80_common.h"
-#include "mma_sm80.h"
+#include "../primitives/mma_sm80.h"
 
 #if !RL_ALIGN_HIP
 
@@ -690,8 +690,8 @@ gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& gp, gpuSt
   if (gp.delta == nullptr || !aligned16(gp.dout) || !aligned16(gp.dq) || !aligned16(gp.dk) || !aligned16(gp.dv)) {
     return cudaErrorInvalidValue;
   }
-  if (dtype == DType::kBFloat16) return dispatch_head_dim<bfloat16_t>(gp, stream);
-  return dispatch_head_dim<half_t>(gp, stream);
+  return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
+      dtype, [&](auto tag) { return dispatch_head_dim<decltype(tag)>(gp, stream); }, gpu_not_supported);
 }
 
 }  // namespace rl_align

@@ -6,7 +6,7 @@
 
 #include "../common/attention_problem.h"
 #include "../common/portability.h"
-#include "mma_sm80.h"
+#include "../primitives/mma_sm80.h"
 
 #if !RL_ALIGN_HIP
 namespace rl_align {

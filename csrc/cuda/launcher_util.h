@@ -1,5 +1,5 @@
-// Pieces every torch launcher of the GPU kernels shares: the torch dtype -> kernel DType map and
-// the forced-path environment variables of the multi-path ops.
+// Pieces every torch launcher of the GPU kernels shares: the forced-path environment variables
+// of the multi-path ops. (The torch dtype -> kernel DType map, kernel_dtype, is in host/common.h.)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,16 +11,9 @@
 #include <string>
 
 #include "../common/portability.h"
+#include "../host/common.h"
 
 namespace rl_align {
-
-inline DType kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: return DType::kFloat32;  // the checks admit only these three
-  }
-}
 
 // The path an environment variable forces: its index in `names`, or -1 when it is unset, empty
 // or "auto". Tests and benchmarks force paths; an unknown name is an error, never ignored.

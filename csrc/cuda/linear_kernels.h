@@ -26,14 +26,17 @@ bool gemm_path_available(GemmPath path, DType dtype, int device);
 // Whether this build holds sm_90a code for the wgmma kernels and `device` can run it.
 bool gemm_sm90_compiled_for(int device);
 
+// Entry points are named <op>_<fwd|bwd>_<path>, except the shared GEMM linear_gemm_<path>: one
+// GemmProblem GEMM serves the forward (linear) and both gradients (linear_grad_input,
+// linear_grad_weight), which differ only in operand layouts and output type (host/linear.h).
 gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream);
 gpuError_t linear_gemm_sm80(DType dtype, const GemmProblem& p, gpuStream_t stream);
 gpuError_t linear_gemm_simt(DType dtype, const GemmProblem& p, gpuStream_t stream);
 
 // dbias[j] = accum[j] (or 0) + sum_i dy[i, j], over tiles of kLinearGradTileTokens rows: each
 // tile summed sequentially in fp32, tiles added in row order. dy is (m x n), row stride ld.
-int64_t linear_bias_grad_workspace_elements(int64_t m, int64_t n);
-gpuError_t linear_bias_grad_cuda(DType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
+int64_t linear_bias_bwd_workspace_elements(int64_t m, int64_t n);
+gpuError_t linear_bias_bwd_simt(DType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
                                  const float* accum, float* dbias, float* workspace,
                                  gpuStream_t stream);
 

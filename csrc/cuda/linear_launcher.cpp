@@ -10,7 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "../linear_host.h"
+#include "../host/linear.h"
 #include "launcher_util.h"
 #include "linear_kernels.h"
 
@@ -63,8 +63,8 @@ struct CudaBackend {
   static void bias_grad(at::ScalarType dtype, const at::Tensor& dy, const float* accum, float* dbias) {
     const c10::cuda::CUDAGuard guard(dy.device());
     const at::Tensor workspace = at::empty(
-        {linear_bias_grad_workspace_elements(dy.size(0), dy.size(1))}, dy.options().dtype(at::kFloat));
-    const gpuError_t err = linear_bias_grad_cuda(
+        {linear_bias_bwd_workspace_elements(dy.size(0), dy.size(1))}, dy.options().dtype(at::kFloat));
+    const gpuError_t err = linear_bias_bwd_simt(
         kernel_dtype(dtype), dy.const_data_ptr(), row_stride(dy), dy.size(0), dy.size(1), accum,
         dbias, workspace.mutable_data_ptr<float>(), at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == kGpuSuccess, "rl_align::linear_grad_bias: kernel launch failed: ",

@@ -1,5 +1,5 @@
 // FMA-tile GEMM (the linear ops' fp32 path, and every dtype's path on HIP and on GPUs without a
-// tensor-core kernel), the bias-gradient column sums, and the path table.
+// tensor-core kernel) and the bias-gradient column sums.
 //
 // Invariance: each output element is one thread's fp32 accumulator that takes
 // fmaf(A[i, kk], B[kk, j], acc) for kk = 0, 1, ..., k-1 in order, starting from the saved
@@ -151,49 +151,25 @@ gpuError_t launch_bias_grad(const T* dy, int64_t ld, int64_t m, int64_t n, const
 
 gpuError_t linear_gemm_simt(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return RL_GPU(ErrorInvalidValue);
-  switch (dtype) {
-    case DType::kFloat32: return dispatch_simt<float>(p, stream);
-    case DType::kFloat16: return dispatch_simt<half_t>(p, stream);
-    case DType::kBFloat16: return dispatch_simt<bfloat16_t>(p, stream);
-  }
-  return RL_GPU(ErrorNotSupported);
+  return dispatch_dtype<KernelTypes>(
+      dtype, [&](auto tag) { return dispatch_simt<decltype(tag)>(p, stream); }, gpu_not_supported);
 }
 
-int64_t linear_bias_grad_workspace_elements(int64_t m, int64_t n) {
+int64_t linear_bias_bwd_workspace_elements(int64_t m, int64_t n) {
   return ceil_div(m, kLinearGradTileTokens) * n;
 }
 
-gpuError_t linear_bias_grad_cuda(DType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
+gpuError_t linear_bias_bwd_simt(DType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
                                  const float* accum, float* dbias, float* workspace,
                                  gpuStream_t stream) {
   if (n <= 0) return kGpuSuccess;
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch_bias_grad(static_cast<const float*>(dy), ld, m, n, accum, dbias, workspace, stream);
-    case DType::kFloat16:
-      return launch_bias_grad(static_cast<const half_t*>(dy), ld, m, n, accum, dbias, workspace, stream);
-    case DType::kBFloat16:
-      return launch_bias_grad(static_cast<const bfloat16_t*>(dy), ld, m, n, accum, dbias, workspace,
-                              stream);
-  }
-  return RL_GPU(ErrorNotSupported);
-}
-
-bool gemm_path_available(GemmPath path, DType dtype, int device) {
-  switch (path) {
-    case GemmPath::kSimt: return true;
-    case GemmPath::kSm90: return dtype != DType::kFloat32 && gemm_sm90_compiled_for(device);
-    case GemmPath::kSm80: {
-#if RL_ALIGN_HIP
-      return false;
-#else
-      int major = 0;
-      (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-      return dtype != DType::kFloat32 && major >= 8;
-#endif
-    }
-  }
-  return false;
+  return dispatch_dtype<KernelTypes>(
+      dtype,
+      [&](auto tag) {
+        using T = decltype(tag);
+        return launch_bias_grad(static_cast<const T*>(dy), ld, m, n, accum, dbias, workspace, stream);
+      },
+      gpu_not_supported);
 }
 
 }  // namespace rl_align

@@ -15,7 +15,7 @@
 // (or stored as fp32). No split-K, no atomics: each output element is owned by exactly one thread,
 // which reads c_accum (which may alias c) before it writes c.
 #include "linear_kernels.h"
-#include "mma_sm80.h"
+#include "../primitives/mma_sm80.h"
 
 #if !RL_ALIGN_HIP
 
@@ -447,8 +447,8 @@ gpuError_t linear_gemm_sm80(DType dtype, const GemmProblem& p, gpuStream_t strea
   if (!operand_ok(p.a, p.lda) || !operand_ok(p.b, p.ldb)) return cudaErrorInvalidValue;
   if (p.c == nullptr || p.ldc <= 0) return cudaErrorInvalidValue;
   if (p.c_accum != nullptr && !p.c_fp32) return cudaErrorInvalidValue;
-  if (dtype == DType::kBFloat16) return dispatch_output<bfloat16_t>(p, stream);
-  return dispatch_output<half_t>(p, stream);
+  return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
+      dtype, [&](auto tag) { return dispatch_output<decltype(tag)>(p, stream); }, gpu_not_supported);
 }
 
 }  // namespace rl_align

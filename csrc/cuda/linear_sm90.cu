@@ -23,7 +23,7 @@
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define RL_ALIGN_SM90A_DEVICE 1
-#include "wgmma_instructions.h"
+#include "../primitives/wgmma_instructions.h"
 #endif
 
 namespace rl_align {
@@ -537,11 +537,9 @@ bool gemm_sm90_compiled_for(int device) {
 gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return cudaErrorInvalidValue;
   if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kBFloat16: return dispatch_layout<bfloat16_t>(dtype, p, stream);
-    case DType::kFloat16: return dispatch_layout<half_t>(dtype, p, stream);
-    default: return cudaErrorNotSupported;
-  }
+  return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
+      dtype, [&](auto tag) { return dispatch_layout<decltype(tag)>(dtype, p, stream); },
+      gpu_not_supported);
 }
 
 }  // namespace rl_align

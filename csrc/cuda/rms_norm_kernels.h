@@ -11,16 +11,16 @@ namespace rl_align {
 
 // y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w, fp32 math, one rounding to the output
 // dtype. x and y rows are `x_row_stride` / `y_row_stride` elements apart; the last dim is dense.
-gpuError_t rms_norm_fwd_cuda(DType dtype, const void* x, int64_t x_row_stride, const void* weight,
+gpuError_t rms_norm_fwd_simt(DType dtype, const void* x, int64_t x_row_stride, const void* weight,
                              void* y, int64_t y_row_stride, int64_t rows, int64_t hidden,
                              float eps, gpuStream_t stream);
 
-// Number of fp32 elements of scratch that rms_norm_bwd_cuda needs (the per-tile dweight sums).
+// Number of fp32 elements of scratch that rms_norm_bwd_simt needs (the per-tile dweight sums).
 int64_t rms_norm_bwd_workspace_elements(int64_t rows, int64_t hidden);
 
 // dx (dtype of x) and dweight (fp32): dweight_out = dweight_accum (or 0) + sum over row tiles,
 // the tiles added in row order. `dweight_accum` may be null and may alias `dweight_out`.
-gpuError_t rms_norm_bwd_cuda(DType dtype, const void* grad_out, int64_t grad_out_row_stride,
+gpuError_t rms_norm_bwd_simt(DType dtype, const void* grad_out, int64_t grad_out_row_stride,
                              const void* x, int64_t x_row_stride, const void* weight, void* grad_x,
                              int64_t grad_x_row_stride, const float* dweight_accum,
                              float* dweight_out, float* workspace, int64_t rows, int64_t hidden,

@@ -11,31 +11,14 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "common/gemm_problem.h"
-#include "rms_norm_host.h"
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "../common/gemm_problem.h"
+#include "common.h"
 
 namespace rl_align {
-
-inline void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
-                       const at::Tensor& ref) {
-  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "rl_align::", op, ": ", name, " dtype ",
-                    dtype_name(t.scalar_type()), " differs from ", ref_name, " dtype ",
-                    dtype_name(ref.scalar_type()));
-  TORCH_CHECK(t.device() == ref.device(), "rl_align::", op, ": ", name, " is on ", t.device(),
-              " but ", ref_name, " is on ", ref.device());
-}
-
-inline void check_fp32_accum(const char* op, const char* name,
-                             const std::optional<at::Tensor>& accum, at::IntArrayRef shape,
-                             const at::Tensor& ref) {
-  if (!accum.has_value()) return;
-  TORCH_CHECK_VALUE(accum->scalar_type() == at::kFloat, "rl_align::", op, ": ", name,
-                    " must be torch.float32, got ", dtype_name(accum->scalar_type()));
-  TORCH_CHECK_VALUE(accum->sizes() == shape, "rl_align::", op, ": ", name, " must have shape ",
-                    shape, ", got ", accum->sizes());
-  TORCH_CHECK(accum->device() == ref.device(), "rl_align::", op, ": ", name, " is on ",
-              accum->device(), " but the inputs are on ", ref.device());
-}
 
 inline void check_weight(const char* op, const at::Tensor& weight) {
   check_dtype(op, "weight", weight);
@@ -102,8 +85,6 @@ struct Operand {
   at::Tensor rows;
   int64_t ld;
 };
-
-inline int64_t round_up(int64_t v, int64_t multiple) { return (v + multiple - 1) / multiple * multiple; }
 
 inline Operand gemm_operand(const at::Tensor& t, bool aligned) {
   at::Tensor rows = as_rows(t);

@@ -362,16 +362,6 @@ gpuError_t dispatch_shape(int vecs_per_thread, bool vector_io, F&& f) {
   }
 }
 
-template <typename F>
-gpuError_t dispatch_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(half_t{});
-    case DType::kBFloat16: return f(bfloat16_t{});
-  }
-  return f(float{});  // unreachable: the launcher validates the dtype
-}
-
 // How many blocks of the forward kernel the current device runs at once (the persistent grid
 // size). Cached per kernel instantiation (each has its own register count, hence occupancy; a
 // grid sized for another instantiation leaves blocks waiting behind the persistent ones), per
@@ -398,11 +388,11 @@ int64_t fwd_resident_blocks(int block_threads) {
 
 }  // namespace
 
-gpuError_t rms_norm_fwd_cuda(DType dtype, const void* x, int64_t x_row_stride, const void* weight,
+gpuError_t rms_norm_fwd_simt(DType dtype, const void* x, int64_t x_row_stride, const void* weight,
                              void* y, int64_t y_row_stride, int64_t rows, int64_t hidden,
                              float eps, gpuStream_t stream) {
   if (rows == 0 || hidden == 0) return kGpuSuccess;
-  return dispatch_dtype(dtype, [&](auto tag) {
+  return dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
     using T = decltype(tag);
     const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, static_cast<int>(sizeof(T)));
     const bool vector_io = hidden % part.vec == 0 && rows_aligned16<T>(x, x_row_stride) &&
@@ -419,14 +409,14 @@ gpuError_t rms_norm_fwd_cuda(DType dtype, const void* x, int64_t x_row_stride, c
           static_cast<T*>(y), y_row_stride, rows, hidden, eps, part.threads_per_row);
       return gpu_last_error();
     });
-  });
+  }, gpu_not_supported);
 }
 
 int64_t rms_norm_bwd_workspace_elements(int64_t rows, int64_t hidden) {
   return ceil_div(rows, rms_norm_dweight_tile_rows(hidden)) * hidden;
 }
 
-gpuError_t rms_norm_bwd_cuda(DType dtype, const void* grad_out, int64_t grad_out_row_stride,
+gpuError_t rms_norm_bwd_simt(DType dtype, const void* grad_out, int64_t grad_out_row_stride,
                              const void* x, int64_t x_row_stride, const void* weight, void* grad_x,
                              int64_t grad_x_row_stride, const float* dweight_accum,
                              float* dweight_out, float* workspace, int64_t rows, int64_t hidden,
@@ -435,7 +425,7 @@ gpuError_t rms_norm_bwd_cuda(DType dtype, const void* grad_out, int64_t grad_out
   const int64_t tile_rows = rms_norm_dweight_tile_rows(hidden);
   const int64_t tiles = ceil_div(rows, tile_rows);
   if (rows > 0) {
-    const gpuError_t err = dispatch_dtype(dtype, [&](auto tag) {
+    const gpuError_t err = dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
       using T = decltype(tag);
       const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, static_cast<int>(sizeof(T)));
       const bool vector_io = hidden % part.vec == 0 &&
@@ -453,7 +443,7 @@ gpuError_t rms_norm_bwd_cuda(DType dtype, const void* grad_out, int64_t grad_out
                 grad_x_row_stride, workspace, rows, hidden, eps, part.threads_per_row, tile_rows);
         return gpu_last_error();
       });
-    });
+    }, gpu_not_supported);
     if (err != kGpuSuccess) return err;
   }
   const int64_t blocks = ceil_div(hidden, kTileSumColumns);

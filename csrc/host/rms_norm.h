@@ -1,31 +1,25 @@
-// Host-side argument checks and row views shared by the CPU and GPU bindings of rms_norm.
+// Host side of rms_norm, shared by the CPU and GPU bindings: argument checks, output allocation,
+// the empty cases and the row views. A Backend supplies only the kernel calls:
+//   static void check_input(const char* op, const at::Tensor& x);   // the backend's own limits
+//   static void fwd(const char* op, const at::Tensor& x_rows, const at::Tensor& weight,
+//                   const at::Tensor& y_rows, float eps);
+//   static void bwd(const char* op, const at::Tensor& grad_out_rows, const at::Tensor& x_rows,
+//                   const at::Tensor& weight, const at::Tensor& grad_x_rows,
+//                   const float* dweight_accum, const at::Tensor& dweight, float eps);
+// Row views are [rows, hidden] with a dense last dimension (as_rows); weight is contiguous;
+// dweight_accum is null or a contiguous fp32 [hidden].
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <string>
+#include <optional>
+#include <tuple>
 
-#include "common/rms_norm_partition.h"
+#include "../common/rms_norm_partition.h"
+#include "common.h"
 
 namespace rl_align {
-
-// The Python spelling (torch.bfloat16), so messages read the same as the reference path's.
-inline std::string dtype_name(at::ScalarType t) {
-  return std::string("torch.") + std::string(c10::getDtypeNames(t).first);
-}
-
-inline bool is_supported_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
-
-// Dtype policy (rl_engine_ext/contract.py): bf16, fp16 and fp32 only; anything else is a
-// ValueError that names the op and the dtype.
-inline void check_dtype(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(is_supported_dtype(t.scalar_type()), "rl_align::", op, ": unsupported dtype ",
-                    dtype_name(t.scalar_type()), " for ", arg,
-                    " (supported: torch.bfloat16, torch.float16, torch.float32)");
-}
 
 inline void check_rms_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight,
                                 double eps) {
@@ -69,29 +63,39 @@ inline void check_rms_norm_backward_args(const at::Tensor& grad_out, const at::T
   }
 }
 
-// Calls f(scalar_t{}) for the three supported dtypes (callers have checked the dtype).
-template <typename F>
-void dispatch_supported_dtype(const char* op, at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); return;
-    case at::kHalf: f(at::Half{}); return;
-    case at::kBFloat16: f(at::BFloat16{}); return;
-    default: TORCH_CHECK_VALUE(false, "rl_align::", op, ": unsupported dtype ", dtype_name(t));
-  }
+template <typename Backend>
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  constexpr const char* op = "rms_norm";
+  check_rms_norm_args(op, x, weight, eps);
+  Backend::check_input(op, x);
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.numel() == 0) return y;
+  const at::Tensor xr = as_rows(x);
+  const at::Tensor w = weight.contiguous();
+  const at::Tensor yr = y.view({xr.size(0), xr.size(1)});
+  Backend::fwd(op, xr, w, yr, static_cast<float>(eps));
+  return y;
 }
 
-// [..., H] -> [rows, H] with a dense last dimension: a view when the strides allow, a copy
-// otherwise. Kernels take the row stride, so row-strided views (e.g. slices) are not copied.
-inline at::Tensor as_rows(const at::Tensor& t) {
-  const int64_t hidden = t.size(-1);
-  at::Tensor rows = t.reshape({hidden == 0 ? 0 : t.numel() / hidden, hidden});
-  if (hidden > 1 && rows.stride(1) != 1) rows = rows.contiguous();
-  return rows;
-}
-
-// The row stride of an [rows, H] view; any value works for a single row or an empty tensor.
-inline int64_t row_stride(const at::Tensor& rows) {
-  return rows.size(0) > 1 ? rows.stride(0) : rows.size(1);
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_impl(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, double eps,
+    const std::optional<at::Tensor>& dweight_accum) {
+  constexpr const char* op = "rms_norm_backward";
+  check_rms_norm_backward_args(grad_out, x, weight, eps, dweight_accum);
+  Backend::check_input(op, x);
+  at::Tensor dx = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t hidden = x.size(-1);
+  at::Tensor dweight = at::empty({hidden}, x.options().dtype(at::kFloat));
+  if (hidden == 0) return {dx, dweight};
+  const at::Tensor acc = dweight_accum.has_value() ? dweight_accum->contiguous() : at::Tensor();
+  const at::Tensor xr = as_rows(x);
+  const at::Tensor gr = as_rows(grad_out);
+  const at::Tensor dxr = dx.view({xr.size(0), hidden});
+  const at::Tensor w = weight.contiguous();
+  Backend::bwd(op, gr, xr, w, dxr, acc.defined() ? acc.const_data_ptr<float>() : nullptr, dweight,
+               static_cast<float>(eps));
+  return {dx, dweight};
 }
 
 }  // namespace rl_align

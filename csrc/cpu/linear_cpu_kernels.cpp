@@ -16,15 +16,15 @@
 // chain. Rows and columns past the edge of C are zero in the packs and computed like the others,
 // then dropped, so every element takes the same instruction sequence whatever m and n are. k is
 // never padded: the chain has exactly k steps.
-#include "linear_gemm_cpu.h"
+#include "linear_cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <vector>
 
-#include "../rms_norm_host.h"
-#include "micro_kernel_cpu.h"
+#include "../host/common.h"
+#include "../primitives/micro_kernel_cpu.h"
 
 namespace rl_align {
 namespace {
@@ -192,13 +192,13 @@ void bias_grad(const T* dy, int64_t ld, int64_t m, int64_t n, const float* accum
 
 void linear_gemm_cpu(at::ScalarType dtype, const GemmProblem& p) {
   if (p.m <= 0 || p.n <= 0) return;
-  dispatch_supported_dtype("linear", dtype, [&](auto tag) { gemm<decltype(tag)>(p); });
+  dispatch_cpu_dtype("linear", dtype, [&](auto tag) { gemm<decltype(tag)>(p); });
 }
 
-void linear_bias_grad_cpu(at::ScalarType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
+void linear_bias_bwd_cpu(at::ScalarType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
                           const float* accum, float* dbias) {
   if (n <= 0) return;
-  dispatch_supported_dtype("linear_grad_bias", dtype, [&](auto tag) {
+  dispatch_cpu_dtype("linear_grad_bias", dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     bias_grad(static_cast<const scalar_t*>(dy), ld, m, n, accum, dbias);
   });

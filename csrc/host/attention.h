@@ -21,8 +21,8 @@
 #include <tuple>
 #include <vector>
 
-#include "common/attention_problem.h"
-#include "rms_norm_host.h"
+#include "../common/attention_problem.h"
+#include "common.h"
 
 namespace rl_align {
 

@@ -21,7 +21,7 @@ void linear_gemm_cpu(at::ScalarType dtype, const GemmProblem& p);
 // kLinearGradTileTokens (64); inside a tile rows summed sequentially in fp32 in row order into a
 // per-tile partial; the partials added to the running fp32 total in tile order. accum may alias
 // dbias.
-void linear_bias_grad_cpu(at::ScalarType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
+void linear_bias_bwd_cpu(at::ScalarType dtype, const void* dy, int64_t ld, int64_t m, int64_t n,
                           const float* accum, float* dbias);
 
 }  // namespace rl_align

@@ -1,4 +1,4 @@
-// The fp32 register micro-kernel every CPU GEMM-like loop goes through (linear_gemm_cpu.cpp,
+// The fp32 register micro-kernel every CPU GEMM-like loop goes through (linear_cpu_kernels.cpp,
 // attention_cpu_kernels.cpp): the one place a CPU kernel takes a dot-product chain.
 #pragma once
 

@@ -1,0 +1,46 @@
+// Autograd for the rl_align ops is registered in C++, at the Autograd dispatch key: one file per
+// differentiable op family (csrc/autograd/<op>.cpp), each with its own
+// TORCH_LIBRARY_IMPL(rl_align, Autograd, m) block that also registers the family's
+// non-differentiable ops (backward ops, inference-only ops) with autogradNotImplementedFallback,
+// so differentiating through them raises instead of silently treating them as constants.
+//
+// Why C++ rather than torch.library.register_autograd: a Python autograd kernel runs Python on
+// every call, forward and backward, which costs more host time than the kernels themselves at
+// decode sizes (about 90 us more host time per call at M=1). The backward calls the op's backward
+// schema, so the kernels (and their invariance) are the same whichever way the gradient is
+// reached. The fake (meta) kernels stay in Python (rl_engine_ext/ops/*.py), which is all
+// torch.compile needs to trace through these.
+//
+// This header: the includes every autograd file needs and typed_op, the typed lookup of an op's
+// schema, so that a Function names each schema's C++ signature once. The signature of an
+// autograd entry point is the signature of its schema: a Function keeps its entry point as a
+// static member `kernel` and looks the op up as typed_op<decltype(kernel)>("rl_align::<op>").
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <optional>
+#include <tuple>
+
+namespace rl_align {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The op `name` ("rl_align::<op>", default overload) as a typed handle; the dispatcher checks
+// Signature against the schema. Look it up once, into a function-local static.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// Registers autogradNotImplementedFallback for ops with no derivative of their own.
+inline void register_not_differentiable(torch::Library& m, std::initializer_list<const char*> ops) {
+  for (const char* op : ops) m.impl(op, torch::autograd::autogradNotImplementedFallback());
+}
+
+}  // namespace rl_align

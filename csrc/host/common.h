@@ -1,0 +1,113 @@
+// Host-side pieces every op's torch binding shares (CPU and GPU alike): the dtype policy, the
+// common argument checks, row views, and the torch dtype -> kernel dtype maps.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "../common/dtype_dispatch.h"
+
+namespace rl_align {
+
+// ------------------------------------------------------------------------------------------------
+// Dtype policy
+// ------------------------------------------------------------------------------------------------
+
+// The Python spelling (torch.bfloat16), so messages read the same as the reference path's.
+inline std::string dtype_name(at::ScalarType t) {
+  return std::string("torch.") + std::string(c10::getDtypeNames(t).first);
+}
+
+inline bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Dtype policy (rl_engine_ext/contract.py): bf16, fp16 and fp32 only; anything else is a
+// ValueError that names the op and the dtype.
+inline void check_dtype(const char* op, const char* arg, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(is_supported_dtype(t.scalar_type()), "rl_align::", op, ": unsupported dtype ",
+                    dtype_name(t.scalar_type()), " for ", arg,
+                    " (supported: torch.bfloat16, torch.float16, torch.float32)");
+}
+
+// The GPU kernels' dtype (common/dtype_dispatch.h) of a checked torch dtype.
+inline DType kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: return DType::kFloat32;  // the checks admit only these three
+  }
+}
+
+// The CPU kernels' storage types, for dispatch_dtype<CpuKernelTypes> (common/dtype_dispatch.h).
+struct CpuKernelTypes {
+  using Key = at::ScalarType;
+  static constexpr at::ScalarType kFloat32 = at::kFloat;
+  static constexpr at::ScalarType kFloat16 = at::kHalf;
+  static constexpr at::ScalarType kBFloat16 = at::kBFloat16;
+  using Float32 = float;
+  using Float16 = at::Half;
+  using BFloat16 = at::BFloat16;
+};
+
+// CPU kernel entry points: f(scalar_t{}) for the three supported dtypes (callers have checked the
+// dtype); anything else is the dtype policy's ValueError.
+template <typename F>
+void dispatch_cpu_dtype(const char* op, at::ScalarType t, F&& f) {
+  dispatch_dtype<CpuKernelTypes>(t, std::forward<F>(f), [&] {
+    TORCH_CHECK_VALUE(false, "rl_align::", op, ": unsupported dtype ", dtype_name(t));
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Argument checks
+// ------------------------------------------------------------------------------------------------
+
+inline void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "rl_align::", op, ": ", name, " dtype ",
+                    dtype_name(t.scalar_type()), " differs from ", ref_name, " dtype ",
+                    dtype_name(ref.scalar_type()));
+  TORCH_CHECK(t.device() == ref.device(), "rl_align::", op, ": ", name, " is on ", t.device(),
+              " but ", ref_name, " is on ", ref.device());
+}
+
+// An optional fp32 gradient accumulator (dweight_accum, dbias_accum) of the given shape.
+inline void check_fp32_accum(const char* op, const char* name,
+                             const std::optional<at::Tensor>& accum, at::IntArrayRef shape,
+                             const at::Tensor& ref) {
+  if (!accum.has_value()) return;
+  TORCH_CHECK_VALUE(accum->scalar_type() == at::kFloat, "rl_align::", op, ": ", name,
+                    " must be torch.float32, got ", dtype_name(accum->scalar_type()));
+  TORCH_CHECK_VALUE(accum->sizes() == shape, "rl_align::", op, ": ", name, " must have shape ",
+                    shape, ", got ", accum->sizes());
+  TORCH_CHECK(accum->device() == ref.device(), "rl_align::", op, ": ", name, " is on ",
+              accum->device(), " but the inputs are on ", ref.device());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Row views
+// ------------------------------------------------------------------------------------------------
+
+// [..., H] -> [rows, H] with a dense last dimension: a view when the strides allow, a copy
+// otherwise. Kernels take the row stride, so row-strided views (e.g. slices) are not copied.
+inline at::Tensor as_rows(const at::Tensor& t) {
+  const int64_t hidden = t.size(-1);
+  at::Tensor rows = t.reshape({hidden == 0 ? 0 : t.numel() / hidden, hidden});
+  if (hidden > 1 && rows.stride(1) != 1) rows = rows.contiguous();
+  return rows;
+}
+
+// The row stride of an [rows, H] view; any value works for a single row or an empty tensor.
+inline int64_t row_stride(const at::Tensor& rows) {
+  return rows.size(0) > 1 ? rows.stride(0) : rows.size(1);
+}
+
+inline int64_t round_up(int64_t v, int64_t multiple) { return (v + multiple - 1) / multiple * multiple; }
+
+}  // namespace rl_align
