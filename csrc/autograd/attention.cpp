@@ -1,7 +1,6 @@
 // Autograd of attention and attention_varlen (why C++: typed_op.h). The backward ops have no
 // derivative of their own; attention_kvcache serves inference only and has no backward either.
-#include <cmath>
-
+#include "../host/attention.h"
 #include "typed_op.h"
 
 namespace rl_align {
@@ -9,11 +8,6 @@ namespace {
 
 using AttentionOut = std::tuple<at::Tensor, at::Tensor>;
 using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-// Scale as the ops resolve it, so that the backward gets the forward's value.
-double resolved_scale(std::optional<double> scale, const at::Tensor& q) {
-  return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-}
 
 // lse is an output for samplers and tests, not a differentiable one: its gradient is ignored.
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
@@ -33,7 +27,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [out, lse] = op.call(q, k, v, padding_mask, scale, causal);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["mask"] = padding_mask.has_value() ? c10::IValue(*padding_mask) : c10::IValue();
-    ctx->saved_data["scale"] = resolved_scale(scale, q);
+    ctx->saved_data["scale"] = attention_scale("attention", scale, q.size(-1));
     ctx->saved_data["causal"] = causal;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
@@ -72,7 +66,7 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
     auto [out, lse] = op.call(q, k, v, cu_seqlens, max_seqlen, scale, causal);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens});
     ctx->saved_data["max_seqlen"] = max_seqlen.has_value() ? c10::IValue(*max_seqlen) : c10::IValue();
-    ctx->saved_data["scale"] = resolved_scale(scale, q);
+    ctx->saved_data["scale"] = attention_scale("attention_varlen", scale, q.size(-1));
     ctx->saved_data["causal"] = causal;
     ctx->mark_non_differentiable({lse});
     return {out, lse};

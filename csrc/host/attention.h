@@ -52,6 +52,8 @@ inline void check_attention_qkv(const char* op, const at::Tensor& q, const at::T
                     ") must be a positive multiple of key/value heads (", hkv, ")");
 }
 
+// The softmax scale an attention op uses: `scale`, or 1/sqrt(head_dim); the one place C++ resolves
+// it (the host wrappers and the autograd Functions, which save it for the backward).
 inline double attention_scale(const char* op, const std::optional<double>& scale, int64_t head_dim) {
   const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
   TORCH_CHECK_VALUE(std::isfinite(s), "rl_align::", op, ": scale must be finite, got ", s);
