@@ -196,6 +196,7 @@ gpuError_t embedding_fwd_simt(DType dtype, const void* ids, bool ids_int64, int6
                               const void* weight, int64_t weight_row_stride,
                               int64_t num_embeddings, void* out, int64_t hidden,
                               gpuStream_t stream) {
+  if (tokens > INT32_MAX) return RL_GPU(ErrorInvalidValue);  // one block per token (grid.x)
   const int64_t element = dtype == DType::kFloat32 ? 4 : 2;
   const bool vector_io = aligned16(weight) && aligned16(out) && hidden * element % 16 == 0 &&
                          weight_row_stride * element % 16 == 0;
