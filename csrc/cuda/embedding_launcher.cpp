@@ -12,11 +12,6 @@
 namespace rl_align {
 namespace {
 
-void check_launch(const char* op, gpuError_t err) {
-  TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": kernel launch failed: ",
-              gpu_error_string(err));
-}
-
 struct CudaBackend {
   // On the device (the kernels print the bad id and fail a device-side assert): a host check
   // would cost a synchronisation per call.
@@ -24,12 +19,12 @@ struct CudaBackend {
 
   static void fwd(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& out) {
     const c10::cuda::CUDAGuard guard(ids.device());
-    check_launch("embedding",
-                 embedding_fwd_simt(kernel_dtype(weight.scalar_type()), ids.const_data_ptr(),
-                                    ids.scalar_type() == at::kLong, ids.numel(),
-                                    weight.const_data_ptr(), row_stride(weight), weight.size(0),
-                                    out.mutable_data_ptr(), weight.size(1),
-                                    at::cuda::getCurrentCUDAStream()));
+    const gpuError_t err = embedding_fwd_simt(
+        kernel_dtype(weight.scalar_type()), ids.const_data_ptr(), ids.scalar_type() == at::kLong,
+        ids.numel(), weight.const_data_ptr(), row_stride(weight), weight.size(0),
+        out.mutable_data_ptr(), weight.size(1), at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == kGpuSuccess, "rl_align::embedding: kernel launch failed: ",
+                gpu_error_string(err));
   }
 
   static void bwd(const at::Tensor& grad_rows, const at::Tensor& ids, int64_t padding_idx,
@@ -39,14 +34,14 @@ struct CudaBackend {
     const int64_t num_embeddings = dweight.size(0);
     const at::Tensor workspace = at::empty({embedding_bwd_workspace_elements(num_embeddings)},
                                            ids.options().dtype(at::kLong));
-    check_launch("embedding_grad_weight",
-                 embedding_bwd_simt(kernel_dtype(grad_rows.scalar_type()), grad_rows.const_data_ptr(),
-                                    row_stride(grad_rows), sorted_ids.const_data_ptr(),
-                                    sorted_ids.scalar_type() == at::kLong,
-                                    order.const_data_ptr<int64_t>(), ids.numel(), padding_idx, accum,
-                                    dweight.mutable_data_ptr<float>(),
-                                    workspace.mutable_data_ptr<int64_t>(), num_embeddings,
-                                    dweight.size(1), at::cuda::getCurrentCUDAStream()));
+    const gpuError_t err = embedding_bwd_simt(
+        kernel_dtype(grad_rows.scalar_type()), grad_rows.const_data_ptr(), row_stride(grad_rows),
+        sorted_ids.const_data_ptr(), sorted_ids.scalar_type() == at::kLong,
+        order.const_data_ptr<int64_t>(), ids.numel(), padding_idx, accum,
+        dweight.mutable_data_ptr<float>(), workspace.mutable_data_ptr<int64_t>(), num_embeddings,
+        dweight.size(1), at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == kGpuSuccess, "rl_align::embedding_grad_weight: kernel launch failed: ",
+                gpu_error_string(err));
   }
 };
 

@@ -87,13 +87,8 @@ def reference_forward_fp32(ids: torch.Tensor, weight: torch.Tensor, padding_idx:
     return reference_forward(ids, weight.float(), padding_idx)
 
 
-def reference_grad_weight(
-    grad_out: torch.Tensor,
-    ids: torch.Tensor,
-    num_embeddings: int,
-    padding_idx: int | None = None,
-    dweight_accum: torch.Tensor | None = None,
-) -> torch.Tensor:
+def reference_grad_weight(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
+                          padding_idx: int | None = None, dweight_accum: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels' chains in PyTorch ops: round r adds every id's r-th token (in token order) to
     its row, one fp32 add per element (the ids of a round are distinct), so each row is the same
     sequential chain as in the kernels, bit for bit."""
@@ -151,13 +146,8 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
     return torch.ops.rl_align.embedding(ids, weight, padding_idx)
 
 
-def embedding_grad_weight(
-    grad_out: torch.Tensor,
-    ids: torch.Tensor,
-    num_embeddings: int,
-    padding_idx: int | None = None,
-    dweight_accum: torch.Tensor | None = None,
-) -> torch.Tensor:
+def embedding_grad_weight(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
+                          padding_idx: int | None = None, dweight_accum: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [num_embeddings, H] = dweight_accum (or 0) + each row's tokens' gradients, summed in
     token order. Chaining: feeding each micro-batch's result into the next call's
     ``dweight_accum`` reproduces the one-batch result bit for bit, for micro-batches of any size."""
