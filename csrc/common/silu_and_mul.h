@@ -16,13 +16,13 @@
 //   dup   = dy * silu                rounded once
 //
 // Large |g| and infinities: exp(-g) overflows to inf for g < about -88.72, so s == 0 there and
-// g * s would be NaN at g = -inf; silu and dsilu take their limits instead (-0: the true values,
-// negative and below 2e-37 in magnitude, round to zero's neighbourhood). For g > about 16.6,
-// s == 1 exactly and g * (1 - s) would be NaN at g = +inf; its limit is 0, so dsilu = 1. A NaN
-// in g, u or dy makes that element's outputs NaN (a NaN compares unequal to 0 and 1, so the
-// limit selections never hide it) and touches no other element. The CPU's expf (glibc) and the
-// GPU's (CUDA: at most 2 ulp) may differ in the last bit, so CPU and GPU results may differ by
-// an ulp; every path is bitwise identical to itself whatever the batch.
+// g * s would be NaN at g = -inf; silu and dsilu take -0 there (the true values are negative and
+// below 2.7e-37 in magnitude). For g > about 16.6, s == 1 exactly and g * (1 - s) would be NaN
+// at g = +inf; its limit is 0, so dsilu = 1. A NaN in g, u or dy makes that element's outputs
+// NaN (a NaN compares unequal to 0, so the limit selections never hide it) and touches no other
+// element. The CPU's expf (glibc) and the GPU's (CUDA: at most 2 ulp) may differ in the last
+// bit, so CPU and GPU results may differ by an ulp; every path is bitwise identical to itself
+// whatever the batch.
 #pragma once
 
 #include <cmath>
