@@ -23,34 +23,27 @@ T* row_of(void* base, int64_t stride, int64_t r) {
   return static_cast<T*>(base) + r * stride;
 }
 
-template <typename T>
-void fwd_kernel(const SiluMulOperands& a) {
+// One kernel for both directions: forward y = out; backward d gate = out, d up = dup.
+template <typename T, bool BACKWARD>
+void kernel(const SiluMulOperands& a) {
   at::parallel_for(0, a.rows, grain_rows(a.cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = row_of<T>(a.gate, a.gate_stride, r);
       const T* u = row_of<T>(a.up, a.up_stride, r);
-      T* y = row_of<T>(a.out, a.out_stride, r);
-      for (int64_t c = 0; c < a.cols; ++c) {
-        y[c] = static_cast<T>(silu_mul_forward(static_cast<float>(g[c]), static_cast<float>(u[c])));
-      }
-    }
-  });
-}
-
-template <typename T>
-void bwd_kernel(const SiluMulOperands& a) {
-  at::parallel_for(0, a.rows, grain_rows(a.cols), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* dy = row_of<T>(a.grad_out, a.grad_out_stride, r);
-      const T* g = row_of<T>(a.gate, a.gate_stride, r);
-      const T* u = row_of<T>(a.up, a.up_stride, r);
-      T* dg = row_of<T>(a.out, a.out_stride, r);
-      T* du = row_of<T>(a.dup, a.dup_stride, r);
-      for (int64_t c = 0; c < a.cols; ++c) {
-        const SiluMulGrads d = silu_mul_backward(static_cast<float>(dy[c]), static_cast<float>(g[c]),
-                                                 static_cast<float>(u[c]));
-        dg[c] = static_cast<T>(d.dgate);
-        du[c] = static_cast<T>(d.dup);
+      T* out = row_of<T>(a.out, a.out_stride, r);
+      if constexpr (BACKWARD) {
+        const T* dy = row_of<T>(a.grad_out, a.grad_out_stride, r);
+        T* du = row_of<T>(a.dup, a.dup_stride, r);
+        for (int64_t c = 0; c < a.cols; ++c) {
+          const SiluMulGrads d = silu_mul_backward(static_cast<float>(dy[c]), static_cast<float>(g[c]),
+                                                   static_cast<float>(u[c]));
+          out[c] = static_cast<T>(d.dgate);
+          du[c] = static_cast<T>(d.dup);
+        }
+      } else {
+        for (int64_t c = 0; c < a.cols; ++c) {
+          out[c] = static_cast<T>(silu_mul_forward(static_cast<float>(g[c]), static_cast<float>(u[c])));
+        }
       }
     }
   });
@@ -59,11 +52,11 @@ void bwd_kernel(const SiluMulOperands& a) {
 }  // namespace
 
 void silu_and_mul_fwd_cpu(at::ScalarType dtype, const SiluMulOperands& a) {
-  dispatch_cpu_dtype("silu_and_mul", dtype, [&](auto tag) { fwd_kernel<decltype(tag)>(a); });
+  dispatch_cpu_dtype("silu_and_mul", dtype, [&](auto tag) { kernel<decltype(tag), false>(a); });
 }
 
 void silu_and_mul_bwd_cpu(at::ScalarType dtype, const SiluMulOperands& a) {
-  dispatch_cpu_dtype("silu_and_mul_backward", dtype, [&](auto tag) { bwd_kernel<decltype(tag)>(a); });
+  dispatch_cpu_dtype("silu_and_mul_backward", dtype, [&](auto tag) { kernel<decltype(tag), true>(a); });
 }
 
 }  // namespace rl_align

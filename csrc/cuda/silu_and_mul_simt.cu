@@ -28,7 +28,7 @@ template <typename T, int VEC, bool VECTOR_IO>
 __device__ __forceinline__ Group<T, VEC> load_group(const T* __restrict__ row, int64_t col, int64_t cols) {
   Group<T, VEC> p;
   if constexpr (VECTOR_IO) {
-    p = *reinterpret_cast<const Group<T, VEC>*>(row + col);
+    *reinterpret_cast<uint4*>(&p) = __ldg(reinterpret_cast<const uint4*>(row + col));
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) p.v[j] = col + j < cols ? row[col + j] : Convert<T>::from_float(0.f);
@@ -40,7 +40,17 @@ template <typename T, int VEC, bool VECTOR_IO>
 __device__ __forceinline__ void store_group(T* __restrict__ row, int64_t col, int64_t cols,
                                             const Group<T, VEC>& p) {
   if constexpr (VECTOR_IO) {
-    *reinterpret_cast<Group<T, VEC>*>(row + col) = p;
+    uint4 raw;
+    *reinterpret_cast<Group<T, VEC>*>(&raw) = p;
+#if RL_ALIGN_HIP
+    *reinterpret_cast<uint4*>(row + col) = raw;
+#else
+    // nvcc splits a plain 16-byte store of the group into 2- and 4-byte stores here (seen in the
+    // PTX); the instruction itself keeps it one 16-byte store.
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(row + col), "r"(raw.x),
+                 "r"(raw.y), "r"(raw.z), "r"(raw.w)
+                 : "memory");
+#endif
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -81,51 +91,43 @@ __device__ __forceinline__ void for_each_group(int64_t rows, int64_t cols, int t
   }
 }
 
-template <typename T, bool VECTOR_IO>
+// One kernel for both directions: forward y = out; backward d gate = out, d up = dup.
+template <typename T, bool BACKWARD, bool VECTOR_IO>
 __global__ void __launch_bounds__(kBlockThreads)
-    silu_and_mul_fwd_kernel(SiluMulOperands a, int threads_per_row) {
+    silu_and_mul_kernel(SiluMulOperands a, int threads_per_row) {
   constexpr int VEC = 16 / sizeof(T);
-  const T* __restrict__ gate = static_cast<const T*>(a.gate);
-  const T* __restrict__ up = static_cast<const T*>(a.up);
-  T* __restrict__ out = static_cast<T*>(a.out);
+  const auto load = [&](const void* base, int64_t stride, int64_t row, int64_t col) {
+    return load_group<T, VEC, VECTOR_IO>(static_cast<const T*>(base) + row * stride, col, a.cols);
+  };
+  const auto store = [&](void* base, int64_t stride, int64_t row, int64_t col,
+                         const Group<T, VEC>& p) {
+    store_group<T, VEC, VECTOR_IO>(static_cast<T*>(base) + row * stride, col, a.cols, p);
+  };
   for_each_group<VEC>(a.rows, a.cols, threads_per_row, [&](int64_t row, int64_t col) {
-    const Group<T, VEC> g = load_group<T, VEC, VECTOR_IO>(gate + row * a.gate_stride, col, a.cols);
-    const Group<T, VEC> u = load_group<T, VEC, VECTOR_IO>(up + row * a.up_stride, col, a.cols);
-    Group<T, VEC> y;
+    const Group<T, VEC> g = load(a.gate, a.gate_stride, row, col);
+    const Group<T, VEC> u = load(a.up, a.up_stride, row, col);
+    if constexpr (BACKWARD) {
+      const Group<T, VEC> dy = load(a.grad_out, a.grad_out_stride, row, col);
+      Group<T, VEC> dg, du;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      y.v[j] = Convert<T>::from_float(
-          silu_mul_forward(Convert<T>::to_float(g.v[j]), Convert<T>::to_float(u.v[j])));
-    }
-    store_group<T, VEC, VECTOR_IO>(out + row * a.out_stride, col, a.cols, y);
-  });
-}
-
-template <typename T, bool VECTOR_IO>
-__global__ void __launch_bounds__(kBlockThreads)
-    silu_and_mul_bwd_kernel(SiluMulOperands a, int threads_per_row) {
-  constexpr int VEC = 16 / sizeof(T);
-  const T* __restrict__ grad_out = static_cast<const T*>(a.grad_out);
-  const T* __restrict__ gate = static_cast<const T*>(a.gate);
-  const T* __restrict__ up = static_cast<const T*>(a.up);
-  T* __restrict__ d_gate = static_cast<T*>(a.out);
-  T* __restrict__ d_up = static_cast<T*>(a.dup);
-  for_each_group<VEC>(a.rows, a.cols, threads_per_row, [&](int64_t row, int64_t col) {
-    const Group<T, VEC> dy =
-        load_group<T, VEC, VECTOR_IO>(grad_out + row * a.grad_out_stride, col, a.cols);
-    const Group<T, VEC> g = load_group<T, VEC, VECTOR_IO>(gate + row * a.gate_stride, col, a.cols);
-    const Group<T, VEC> u = load_group<T, VEC, VECTOR_IO>(up + row * a.up_stride, col, a.cols);
-    Group<T, VEC> dg, du;
+      for (int j = 0; j < VEC; ++j) {
+        const SiluMulGrads d = silu_mul_backward(Convert<T>::to_float(dy.v[j]),
+                                                 Convert<T>::to_float(g.v[j]),
+                                                 Convert<T>::to_float(u.v[j]));
+        dg.v[j] = Convert<T>::from_float(d.dgate);
+        du.v[j] = Convert<T>::from_float(d.dup);
+      }
+      store(a.out, a.out_stride, row, col, dg);
+      store(a.dup, a.dup_stride, row, col, du);
+    } else {
+      Group<T, VEC> y;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const SiluMulGrads d = silu_mul_backward(Convert<T>::to_float(dy.v[j]),
-                                               Convert<T>::to_float(g.v[j]),
-                                               Convert<T>::to_float(u.v[j]));
-      dg.v[j] = Convert<T>::from_float(d.dgate);
-      du.v[j] = Convert<T>::from_float(d.dup);
+      for (int j = 0; j < VEC; ++j) {
+        y.v[j] = Convert<T>::from_float(
+            silu_mul_forward(Convert<T>::to_float(g.v[j]), Convert<T>::to_float(u.v[j])));
+      }
+      store(a.out, a.out_stride, row, col, y);
     }
-    store_group<T, VEC, VECTOR_IO>(d_gate + row * a.out_stride, col, a.cols, dg);
-    store_group<T, VEC, VECTOR_IO>(d_up + row * a.dup_stride, col, a.cols, du);
   });
 }
 
@@ -144,24 +146,16 @@ bool vector_io_ok(const SiluMulOperands& a, bool backward) {
                         rows_aligned16<T>(a.dup, a.dup_stride)));
 }
 
-// Launches KERNEL<T, VECTOR_IO> over the operands (both directions share the coverage).
 template <bool BACKWARD>
 gpuError_t launch(DType dtype, const SiluMulOperands& a, gpuStream_t stream) {
   if (a.rows == 0 || a.cols == 0) return kGpuSuccess;
   return dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
     using T = decltype(tag);
-    constexpr int VEC = 16 / sizeof(T);
-    const Coverage c = coverage_of(a.rows, ceil_div(a.cols, VEC));
-    const auto run = [&](auto kernel) {
-      kernel<<<c.grid, kBlockThreads, 0, stream>>>(a, c.threads_per_row);
-      return gpu_last_error();
-    };
-    const bool vector_io = vector_io_ok<T>(a, BACKWARD);
-    if constexpr (BACKWARD) {
-      return vector_io ? run(silu_and_mul_bwd_kernel<T, true>) : run(silu_and_mul_bwd_kernel<T, false>);
-    } else {
-      return vector_io ? run(silu_and_mul_fwd_kernel<T, true>) : run(silu_and_mul_fwd_kernel<T, false>);
-    }
+    const Coverage c = coverage_of(a.rows, ceil_div(a.cols, 16 / sizeof(T)));
+    const auto kernel = vector_io_ok<T>(a, BACKWARD) ? silu_and_mul_kernel<T, BACKWARD, true>
+                                                     : silu_and_mul_kernel<T, BACKWARD, false>;
+    kernel<<<c.grid, kBlockThreads, 0, stream>>>(a, c.threads_per_row);
+    return gpu_last_error();
   }, gpu_not_supported);
 }
 
