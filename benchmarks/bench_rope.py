@@ -182,8 +182,14 @@ def main() -> int:
                         return [("bandwidth_TBps", bw / 1e12, "TB/s"), ("frac_of_copy", bw / copy_bw, "")]
 
                     for name, fn in refs.items():
-                        pair = bench_abba(timed(ours), timed(fn), device=device, rep_ms=rep_ms, wall=tokens <= 64,
-                                          wall_iters=wall_iters)
+                        try:
+                            pair = bench_abba(timed(ours), timed(fn), device=device, rep_ms=rep_ms, wall=tokens <= 64,
+                                              wall_iters=wall_iters)
+                        except Exception as exc:  # a peer library's failure must not lose the run
+                            if name == ref_name:
+                                raise
+                            print(f"# {name} failed at {shape} {dtype_name} {mode}: {exc!r}")
+                            continue
                         out.add_pair("rope", shape, dtype_name, mode, pair, reference=name, ratio_metric=f"ratio_vs_{name}",
                                      per_side=per_side)
                         frac = nbytes / (pair.ours.median_us * 1e-6) / copy_bw

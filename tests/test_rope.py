@@ -153,6 +153,24 @@ def test_strided_and_misaligned_inputs(device, dtype, style, head_dim, rotary_di
     _equal_pair(rl_engine_ext.rope(sq.transpose(1, 2), sk.transpose(1, 2), positions, inv_freq, style, "bhsd"), want)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_grid_configurations_agree(dtype):
+    """The GPU splits heads into groups (grid.y) from the token count: Qwen3's 32/8 heads over
+    1 .. 40000 tokens cover every split from one head per thread to all heads in one thread.
+    Every token gets the same bits in each, forward and backward."""
+    tokens = 40000
+    inv_freq = _inv_freq(128, "cuda")
+    q, k = _qk((tokens, 32, 128), (tokens, 8, 128), dtype, "cuda", 17)
+    positions = rope_mod.packed_positions(tokens, 17, max_len=5000, device="cuda")
+    for op in (rl_engine_ext.rope, rl_engine_ext.rope_backward):
+        whole = op(q, k, positions, inv_freq, "neox", "thd")
+        for n in (1, 2, 64, 1000, 4097, 16384, 33000):
+            s = (tokens - n) // 2
+            part = op(q[s:s + n], k[s:s + n], positions[s:s + n], inv_freq, "neox", "thd")
+            _equal_pair(part, (whole[0][s:s + n], whole[1][s:s + n]))
+
+
 # ------------------------------------------------------------------------------------------
 # Axis-B: accuracy against the float64 truth
 # ------------------------------------------------------------------------------------------

@@ -45,10 +45,11 @@ LAYOUTS = {"bhsd": "[batch, heads, seq, head_dim]", "bshd": "[batch, seq, heads,
 
 
 def rope_inv_freq(rotary_dim: int, theta: float = 10000.0, device: str | torch.device = "cpu") -> torch.Tensor:
-    """The default (unscaled) inverse frequencies, computed as HF's default rope init does (fp32):
-    ``1 / theta ** (arange(0, R, 2) / R)``."""
-    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32) / rotary_dim
-    return 1.0 / (theta ** exponent)
+    """The default (unscaled) inverse frequencies as HF's default rope init computes them: fp32
+    ``1 / theta ** (arange(0, R, 2) / R)`` on the CPU (HF builds the buffer there; a GPU pow may
+    round differently), then moved to ``device``."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return (1.0 / (theta ** exponent)).to(device)
 
 
 # ---------------------------------------------------------------------------------------------
