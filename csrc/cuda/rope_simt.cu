@@ -18,7 +18,11 @@ namespace {
 
 constexpr int kBlockThreads = 256;
 constexpr int kHeadUnroll = 4;
-// Resident threads per SM the head-group split aims to fill (H100: 2048).
+// At least 2 blocks (512 threads, 4K loads of 16 bytes in flight) per SM: caps registers at 128
+// (uncapped, the element paths take 141, one block per SM; a cap of 3 blocks spills).
+constexpr int kMinBlocksPerSm = 2;
+// Threads per SM the head-group split aims for when tokens are few: four waves of the 512
+// resident threads, so that each thread has few heads (few dependent load rounds).
 constexpr int64_t kTargetThreadsPerSm = 2048;
 
 template <typename T, int V>
@@ -91,7 +95,7 @@ __device__ __forceinline__ void head_range(int64_t heads, int g, int groups, int
 
 // grid.x covers tokens x chunks (chunk fastest), grid.y the head groups.
 template <typename T, RopeStyle STYLE, bool VEC>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
     rope_kernel(RopeProblem p, int rot_chunks, int chunks, bool inverse) {
   constexpr int V = 16 / sizeof(T);
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -107,6 +111,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (chunk >= rot_chunks) {  // pass-through elements, copied bit for bit
     const Part part{p.rotary_dim + static_cast<int64_t>(chunk - rot_chunks) * V, p.head_dim};
     const Part none{0, 0};
+#pragma unroll
     for (int i = 0; i < 2; ++i) {
       for_heads<T, V, VEC>(p.operand[i], b, s, h0[i], h1[i], part, none, [](Pack<T, V>&, Pack<T, V>&) {});
     }
@@ -144,6 +149,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       x_hi.v[j] = Convert<T>::from_float(y[V + j]);
     }
   };
+#pragma unroll  // q and k: compile-time indices keep h0/h1 in registers
   for (int i = 0; i < 2; ++i) for_heads<T, V, VEC>(p.operand[i], b, s, h0[i], h1[i], lo, hi, rotate);
 }
 
