@@ -1,6 +1,6 @@
 // rope GPU kernel, forward and backward (CUDA; HIP compiles the same source).
 //
-// A thread owns one chunk of one token: kVec (16 bytes of elements) rotation pairs, or kVec
+// A thread owns one chunk of one token: V = 16 / sizeof(T) rotation pairs, or V
 // pass-through elements (rotary_dim..head_dim-1), for a group of heads of q and of k. It computes
 // its pairs' cos/sin once (common/rope.h: full-accuracy sincosf) and applies them to every head of
 // its group, kHeadUnroll heads' loads in flight at a time. Chunk of a NeoX token: pairs
