@@ -300,15 +300,20 @@ def test_mode_matches_hf_formula_bitwise_on_exact_sums(device, dtype, mode, hidd
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mode_matches_hf_formula_within_one_ulp(device, dtype, mode):
+def test_mode_matches_hf_formula_within_ulps(device, dtype, mode):
     """Random inputs: torch's mean sums in another order, so inv_rms may differ in its last fp32
-    bit; the outputs then differ by at most one ulp of the dtype, on a few elements only."""
+    bits. Measured (CPU, 257 x 4096, scale 3): bf16/fp16 differ on < 0.01% of the elements, by
+    1 ulp ("fp32", "gemma") or at most 2 ulps ("llama": h one ulp off, then a second rounding);
+    fp32 outputs carry inv_rms's own error: ~26% of the elements, at most 5 ulps (< 1e-6 relative)."""
     hidden = 4096
     x = randn(257, hidden, dtype=dtype, device=device, seed=44, scale=3.0)
     w = randn(hidden, dtype=dtype, device=device, seed=45, scale=0.5) + 1
     diff = ulp_diff(rl_engine_ext.rms_norm(x, w, EPS, mode), hf_rms_norm(x, w, EPS, mode))
-    assert diff.max().item() <= 1
-    assert (diff > 0).float().mean().item() < 0.02
+    if dtype == torch.float32:
+        assert diff.max().item() <= 8
+    else:
+        assert diff.max().item() <= (2 if mode == "llama" else 1)
+        assert (diff > 0).float().mean().item() < 1e-3
 
 
 @pytest.mark.parametrize("mode", MODES)
