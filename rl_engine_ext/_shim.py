@@ -33,10 +33,11 @@ _LIBRARIES: list[torch.library.Library] = []  # registrations live as long as th
 
 
 def schemas() -> dict[str, str]:
-    """Op name -> schema string, from the one schema block shared with C++."""
+    """Op name -> schema string, from the one schema block shared with C++ (a C string literal:
+    string defaults are written \\"...\\", as torch prints them)."""
     with open(SCHEMA_FILE) as f:
-        found = re.findall(r'^RL_ALIGN_SCHEMA\("([^"]*)"\)\s*$', f.read(), re.MULTILINE)
-    return {schema.split("(", 1)[0]: schema for schema in found}
+        found = re.findall(r'^RL_ALIGN_SCHEMA\("((?:[^"\\]|\\.)*)"\)\s*$', f.read(), re.MULTILINE)
+    return {schema.split("(", 1)[0]: schema.replace('\\"', '"') for schema in found}
 
 
 def _reference_kernel(op: OpDef, key: str) -> Callable[..., Any]:

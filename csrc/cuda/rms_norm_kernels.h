@@ -5,23 +5,31 @@
 #include <cstdint>
 
 #include "../common/portability.h"
+#include "../common/rms_norm_mode.h"
 #include "../common/rms_norm_partition.h"
 
 namespace rl_align {
 
-// y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w, fp32 math, one rounding to the output
-// dtype. x and y rows are `x_row_stride` / `y_row_stride` elements apart; the last dim is dense.
-gpuError_t rms_norm_fwd_simt(DType dtype, const void* x, int64_t x_row_stride, const void* weight,
-                             void* y, int64_t y_row_stride, int64_t rows, int64_t hidden,
-                             float eps, gpuStream_t stream);
+// y[r, :] = the `mode` formula of common/rms_norm_mode.h with inv_rms = rsqrt(mean(x[r, :]^2) +
+// eps), fp32 math. add_rms_norm (residual non-null): new_residual[r, :] = round(x + residual) is
+// written and normalised in place of x. Rows are *_row_stride elements apart; the last dim is
+// dense.
+gpuError_t rms_norm_fwd_simt(DType dtype, RmsNormMode mode, const void* x, int64_t x_row_stride,
+                             const void* residual, int64_t residual_row_stride,
+                             const void* weight, void* y, int64_t y_row_stride,
+                             void* new_residual, int64_t new_residual_row_stride, int64_t rows,
+                             int64_t hidden, float eps, gpuStream_t stream);
 
 // Number of fp32 elements of scratch that rms_norm_bwd_simt needs (the per-tile dweight sums).
 int64_t rms_norm_bwd_workspace_elements(int64_t rows, int64_t hidden);
 
 // dx (dtype of x) and dweight (fp32): dweight_out = dweight_accum (or 0) + sum over row tiles,
 // the tiles added in row order. `dweight_accum` may be null and may alias `dweight_out`.
-gpuError_t rms_norm_bwd_simt(DType dtype, const void* grad_out, int64_t grad_out_row_stride,
-                             const void* x, int64_t x_row_stride, const void* weight, void* grad_x,
+// add_rms_norm_backward (grad_residual non-null): dx = round(round(dx) + grad_residual).
+gpuError_t rms_norm_bwd_simt(DType dtype, RmsNormMode mode, const void* grad_out,
+                             int64_t grad_out_row_stride, const void* grad_residual,
+                             int64_t grad_residual_row_stride, const void* x,
+                             int64_t x_row_stride, const void* weight, void* grad_x,
                              int64_t grad_x_row_stride, const float* dweight_accum,
                              float* dweight_out, float* workspace, int64_t rows, int64_t hidden,
                              float eps, gpuStream_t stream);

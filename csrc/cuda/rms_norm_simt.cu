@@ -111,14 +111,32 @@ __device__ __forceinline__ void load_row(Pack<T, VEC> (&packs)[VPT], const T* ro
   }
 }
 
+// fp32 -> T -> fp32: the roundings of the llama mode and of add_rms_norm.
+template <typename T>
+struct RoundTo {
+  __device__ __forceinline__ float operator()(float v) const {
+    return Convert<T>::to_float(Convert<T>::from_float(v));
+  }
+};
+
+// A row's second input: add_rms_norm's residual (forward) or grad_residual (backward), loaded
+// beside x and added in the row's store step. RESIDUAL = false keeps no registers for it.
+template <typename T, int VEC, int VPT, bool RESIDUAL>
+struct ResidualPacks {
+  Pack<T, VEC> v[RESIDUAL ? VPT : 1];
+};
+
 // Persistent grid: block b takes row groups b, b + gridDim.x, ... and loads the next group's
 // rows before reducing the current one, so loads stay in flight across the row's reduction.
-// Which block handles a row never changes the row's arithmetic.
-template <typename T, int VPT, bool VECTOR_IO>
+// Which block handles a row never changes the row's arithmetic. RESIDUAL (add_rms_norm): the row
+// is round(x + residual), written to new_residual and then normalised like x.
+template <typename T, int VPT, bool VECTOR_IO, RmsNormMode MODE, bool RESIDUAL>
 __global__ void __launch_bounds__(LaunchBound<VPT>::fwd)
-    rms_norm_fwd_kernel(const T* __restrict__ x, int64_t x_row_stride, const T* __restrict__ weight,
-                        T* __restrict__ y, int64_t y_row_stride, int64_t rows, int64_t hidden,
-                        float eps, int threads_per_row) {
+    rms_norm_fwd_kernel(const T* __restrict__ x, int64_t x_row_stride,
+                        const T* __restrict__ residual, int64_t residual_row_stride,
+                        const T* __restrict__ weight, T* __restrict__ y, int64_t y_row_stride,
+                        T* __restrict__ new_residual, int64_t new_residual_row_stride,
+                        int64_t rows, int64_t hidden, float eps, int threads_per_row) {
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float scratch[2][1][kMaxWarpsPerBlock];
   const int lane = threadIdx.x % threads_per_row;
@@ -129,15 +147,40 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::fwd)
   int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + group;
   // A thread owns the same columns in every row it visits: its weight slice stays in registers.
   Pack<T, VEC> wv[VPT], cur[VPT], next[VPT];
-  load_row<T, VEC, VPT, VECTOR_IO>(wv, weight, lane, threads_per_row, hidden);
+  ResidualPacks<T, VEC, VPT, RESIDUAL> cur_res, next_res;
   // Threads of a missing row still take part in the shuffles and barriers, on zeros.
-  load_row<T, VEC, VPT, VECTOR_IO>(cur, x + (row < rows ? row : 0) * x_row_stride, lane,
-                                   threads_per_row, row < rows ? hidden : 0);
+  const auto load_inputs = [&](Pack<T, VEC>(&xp)[VPT], ResidualPacks<T, VEC, VPT, RESIDUAL>& rp,
+                               int64_t r) {
+    const int64_t safe = r < rows ? r : 0;
+    const int64_t valid_hidden = r < rows ? hidden : 0;
+    load_row<T, VEC, VPT, VECTOR_IO>(xp, x + safe * x_row_stride, lane, threads_per_row,
+                                     valid_hidden);
+    if constexpr (RESIDUAL) {
+      load_row<T, VEC, VPT, VECTOR_IO>(rp.v, residual + safe * residual_row_stride, lane,
+                                       threads_per_row, valid_hidden);
+    }
+  };
+  load_row<T, VEC, VPT, VECTOR_IO>(wv, weight, lane, threads_per_row, hidden);
+  load_inputs(cur, cur_res, row);
   int parity = 0;
   for (int64_t rg = blockIdx.x; rg < row_groups; rg += gridDim.x, parity ^= 1) {
     const int64_t next_row = row + static_cast<int64_t>(gridDim.x) * rows_per_block;
-    load_row<T, VEC, VPT, VECTOR_IO>(next, x + (next_row < rows ? next_row : 0) * x_row_stride,
-                                     lane, threads_per_row, next_row < rows ? hidden : 0);
+    load_inputs(next, next_res, next_row);
+    if constexpr (RESIDUAL) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          cur[k].v[j] = Convert<T>::from_float(Convert<T>::to_float(cur[k].v[j]) +
+                                               Convert<T>::to_float(cur_res.v[k].v[j]));
+        }
+        const int64_t vi = static_cast<int64_t>(k) * threads_per_row + lane;
+        if (row < rows && vi * VEC < hidden) {
+          store_pack<T, VEC, VECTOR_IO>(new_residual + row * new_residual_row_stride, vi, hidden,
+                                        cur[k]);
+        }
+      }
+    }
     float sum_sq[1] = {0.f};
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -158,15 +201,17 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::fwd)
         Pack<T, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          // (x * inv_rms) * w: normalise first, then scale, one rounding at the end.
-          const float normed = Convert<T>::to_float(cur[k].v[j]) * inv_rms;
-          out.v[j] = Convert<T>::from_float(normed * Convert<T>::to_float(wv[k].v[j]));
+          // Normalise first, then the mode's weight step (common/rms_norm_mode.h).
+          const float xhat = Convert<T>::to_float(cur[k].v[j]) * inv_rms;
+          out.v[j] = Convert<T>::from_float(
+              rms_norm_output<MODE>(xhat, Convert<T>::to_float(wv[k].v[j]), RoundTo<T>{}));
         }
         store_pack<T, VEC, VECTOR_IO>(y_row, vi, hidden, out);
       }
     }
 #pragma unroll
     for (int k = 0; k < VPT; ++k) cur[k] = next[k];
+    if constexpr (RESIDUAL) cur_res = next_res;
     row = next_row;
   }
 }
@@ -174,10 +219,12 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::fwd)
 // One block per tile of `tile_rows` rows. Each row is reduced like the forward; the block's row
 // groups take rows g, g + groups, ... of the tile in order, each group accumulating its rows'
 // dy * xhat into fp32 registers, then the groups' sums are added in group order. The tile sum
-// goes to workspace[tile, :].
-template <typename T, int VPT, bool VECTOR_IO>
+// goes to workspace[tile, :]. RESIDUAL (add_rms_norm_backward with grad_residual): the rounded dx
+// plus grad_residual, rounded again (autograd's accumulation of the unfused pair).
+template <typename T, int VPT, bool VECTOR_IO, RmsNormMode MODE, bool RESIDUAL>
 __global__ void __launch_bounds__(LaunchBound<VPT>::bwd)
     rms_norm_bwd_kernel(const T* __restrict__ grad_out, int64_t grad_out_row_stride,
+                        const T* __restrict__ grad_residual, int64_t grad_residual_row_stride,
                         const T* __restrict__ x, int64_t x_row_stride,
                         const T* __restrict__ weight, T* __restrict__ grad_x,
                         int64_t grad_x_row_stride, float* __restrict__ tile_sums, int64_t rows,
@@ -205,34 +252,36 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::bwd)
   // loaded before the current step's reductions so that the loads overlap them.
   const int64_t tile_end = tile_start + tile_rows < rows ? tile_start + tile_rows : rows;
   Pack<T, VEC> xv[VPT], gv[VPT], x_next[VPT], g_next[VPT];
+  ResidualPacks<T, VEC, VPT, RESIDUAL> rv, r_next;
+  const auto load_inputs = [&](Pack<T, VEC>(&xp)[VPT], Pack<T, VEC>(&gp)[VPT],
+                               ResidualPacks<T, VEC, VPT, RESIDUAL>& rp, int64_t r) {
+    const int64_t safe = r < tile_end ? r : 0;
+    const int64_t valid_hidden = r < tile_end ? hidden : 0;
+    load_row<T, VEC, VPT, VECTOR_IO>(xp, x + safe * x_row_stride, lane, threads_per_row,
+                                     valid_hidden);
+    load_row<T, VEC, VPT, VECTOR_IO>(gp, grad_out + safe * grad_out_row_stride, lane,
+                                     threads_per_row, valid_hidden);
+    if constexpr (RESIDUAL) {
+      load_row<T, VEC, VPT, VECTOR_IO>(rp.v, grad_residual + safe * grad_residual_row_stride,
+                                       lane, threads_per_row, valid_hidden);
+    }
+  };
   int64_t row = tile_start + group;
-  {
-    const int64_t r = row < tile_end ? row : 0;
-    const int64_t valid_hidden = row < tile_end ? hidden : 0;
-    load_row<T, VEC, VPT, VECTOR_IO>(xv, x + r * x_row_stride, lane, threads_per_row, valid_hidden);
-    load_row<T, VEC, VPT, VECTOR_IO>(gv, grad_out + r * grad_out_row_stride, lane, threads_per_row,
-                          valid_hidden);
-  }
+  load_inputs(xv, gv, rv, row);
   int parity = 0;
   // The loop bound is the same for every thread of the block (barriers inside).
   for (int64_t first = tile_start; first < tile_end; first += groups, parity ^= 1) {
     const int64_t next_row = row + groups;
-    {
-      const int64_t r = next_row < tile_end ? next_row : 0;
-      const int64_t valid_hidden = next_row < tile_end ? hidden : 0;
-      load_row<T, VEC, VPT, VECTOR_IO>(x_next, x + r * x_row_stride, lane, threads_per_row,
-                                       valid_hidden);
-      load_row<T, VEC, VPT, VECTOR_IO>(g_next, grad_out + r * grad_out_row_stride, lane,
-                                       threads_per_row, valid_hidden);
-    }
-    // sums[0] = sum x^2, sums[1] = sum dy * w * x
+    load_inputs(x_next, g_next, r_next, next_row);
+    // sums[0] = sum x^2, sums[1] = sum gw * x, gw = dy * weight_factor(w)
     float sums[2] = {0.f, 0.f};
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float xf = Convert<T>::to_float(xv[k].v[j]);
-        const float gf = Convert<T>::to_float(gv[k].v[j]) * Convert<T>::to_float(wv[k].v[j]);
+        const float gf = Convert<T>::to_float(gv[k].v[j]) *
+                         rms_norm_weight_factor<MODE>(Convert<T>::to_float(wv[k].v[j]));
         sums[0] = fmaf(xf, xf, sums[0]);
         sums[1] = fmaf(gf, xf, sums[1]);
       }
@@ -240,7 +289,7 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::bwd)
     row_allreduce<2>(sums, threads_per_row, scratch[parity]);
     if (row < tile_end) {
       const float inv_rms = inv_rms_of(sums[0], hidden, eps);
-      // dx = inv_rms * (dy * w - xhat * mean(dy * w * xhat)), mean(dy * w * xhat) = c below.
+      // dx = inv_rms * (gw - xhat * mean(gw * xhat)), mean(gw * xhat) = c below.
       const float c = sums[1] * inv_rms / static_cast<float>(hidden);
       T* dx_row = grad_x + row * grad_x_row_stride;
 #pragma unroll
@@ -251,9 +300,15 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::bwd)
         for (int j = 0; j < VEC; ++j) {
           const float xhat = Convert<T>::to_float(xv[k].v[j]) * inv_rms;
           const float dy = Convert<T>::to_float(gv[k].v[j]);
-          out.v[j] = Convert<T>::from_float(
-              inv_rms * fmaf(-xhat, c, dy * Convert<T>::to_float(wv[k].v[j])));
-          dweight[k][j] = fmaf(dy, xhat, dweight[k][j]);
+          out.v[j] = Convert<T>::from_float(inv_rms * fmaf(-xhat, c,
+                                                           dy * rms_norm_weight_factor<MODE>(
+                                                                    Convert<T>::to_float(wv[k].v[j]))));
+          if constexpr (RESIDUAL) {
+            out.v[j] = Convert<T>::from_float(Convert<T>::to_float(out.v[j]) +
+                                              Convert<T>::to_float(rv.v[k].v[j]));
+          }
+          dweight[k][j] =
+              fmaf(dy, rms_norm_dweight_factor<MODE>(xhat, RoundTo<T>{}), dweight[k][j]);
         }
         if (vi * VEC < hidden) store_pack<T, VEC, VECTOR_IO>(dx_row, vi, hidden, out);
       }
@@ -263,6 +318,7 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::bwd)
       xv[k] = x_next[k];
       gv[k] = g_next[k];
     }
+    if constexpr (RESIDUAL) rv = r_next;
     row = next_row;
   }
 
@@ -341,32 +397,44 @@ bool rows_aligned16(const void* p, int64_t row_stride) {
   return is_aligned16(p) && (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0;
 }
 
-template <int VPT, bool VECTOR_IO>
+template <int VPT, bool VECTOR_IO, RmsNormMode MODE, bool RESIDUAL>
 struct KernelShape {
   static constexpr int vecs_per_thread = VPT;
   static constexpr bool vector_io = VECTOR_IO;
+  static constexpr RmsNormMode mode = MODE;
+  static constexpr bool residual = RESIDUAL;
 };
 
-// Calls f(KernelShape<VPT, VECTOR_IO>{}) for the runtime partition and I/O mode.
-template <typename F>
-gpuError_t dispatch_shape(int vecs_per_thread, bool vector_io, F&& f) {
+template <RmsNormMode MODE, bool RESIDUAL, typename F>
+gpuError_t dispatch_vpt_io(int vecs_per_thread, bool vector_io, F&& f) {
   switch (vecs_per_thread * 2 + (vector_io ? 1 : 0)) {
-    case 2: return f(KernelShape<1, false>{});
-    case 3: return f(KernelShape<1, true>{});
-    case 4: return f(KernelShape<2, false>{});
-    case 5: return f(KernelShape<2, true>{});
-    case 8: return f(KernelShape<4, false>{});
-    case 9: return f(KernelShape<4, true>{});
-    case 17: return f(KernelShape<8, true>{});
-    default: return f(KernelShape<8, false>{});  // rms_norm_gpu_partition returns 1, 2, 4 or 8
+    case 2: return f(KernelShape<1, false, MODE, RESIDUAL>{});
+    case 3: return f(KernelShape<1, true, MODE, RESIDUAL>{});
+    case 4: return f(KernelShape<2, false, MODE, RESIDUAL>{});
+    case 5: return f(KernelShape<2, true, MODE, RESIDUAL>{});
+    case 8: return f(KernelShape<4, false, MODE, RESIDUAL>{});
+    case 9: return f(KernelShape<4, true, MODE, RESIDUAL>{});
+    case 17: return f(KernelShape<8, true, MODE, RESIDUAL>{});
+    default: return f(KernelShape<8, false, MODE, RESIDUAL>{});  // the partition gives 1, 2, 4, 8
   }
 }
 
-// How many blocks of the forward kernel the current device runs at once (the persistent grid
+// Calls f(KernelShape<...>{}) for the runtime partition, I/O mode, casting mode and residual.
+template <typename F>
+gpuError_t dispatch_shape(int vecs_per_thread, bool vector_io, RmsNormMode mode, bool residual,
+                          F&& f) {
+  return dispatch_rms_norm_mode(mode, [&](auto mode_tag) {
+    constexpr RmsNormMode MODE = decltype(mode_tag)::value;
+    return residual ? dispatch_vpt_io<MODE, true>(vecs_per_thread, vector_io, f)
+                    : dispatch_vpt_io<MODE, false>(vecs_per_thread, vector_io, f);
+  });
+}
+
+// How many blocks of forward kernel KERNEL the current device runs at once (the persistent grid
 // size). Cached per kernel instantiation (each has its own register count, hence occupancy; a
 // grid sized for another instantiation leaves blocks waiting behind the persistent ones), per
 // block size and per device.
-template <typename T, int VPT, bool VECTOR_IO>
+template <auto KERNEL>
 int64_t fwd_resident_blocks(int block_threads) {
   constexpr int kMaxDevices = 64;
   constexpr int kBlockSizes = 11;  // block_threads is a power of two <= 1024
@@ -379,34 +447,46 @@ int64_t fwd_resident_blocks(int block_threads) {
     const int64_t hit = cached[device][size_index].load(std::memory_order_relaxed);
     if (hit > 0) return hit;
   }
-  const int64_t blocks =
-      static_cast<int64_t>(multiprocessor_count(device)) *
-      max_active_blocks_per_multiprocessor(rms_norm_fwd_kernel<T, VPT, VECTOR_IO>, block_threads);
+  const int64_t blocks = static_cast<int64_t>(multiprocessor_count(device)) *
+                         max_active_blocks_per_multiprocessor(KERNEL, block_threads);
   if (cacheable) cached[device][size_index].store(blocks, std::memory_order_relaxed);
   return blocks;
 }
 
+// The optional second input of a row (residual, grad_residual) allows vector I/O when absent.
+template <typename T>
+bool optional_rows_aligned16(const void* p, int64_t row_stride) {
+  return p == nullptr || rows_aligned16<T>(p, row_stride);
+}
+
 }  // namespace
 
-gpuError_t rms_norm_fwd_simt(DType dtype, const void* x, int64_t x_row_stride, const void* weight,
-                             void* y, int64_t y_row_stride, int64_t rows, int64_t hidden,
-                             float eps, gpuStream_t stream) {
+gpuError_t rms_norm_fwd_simt(DType dtype, RmsNormMode mode, const void* x, int64_t x_row_stride,
+                             const void* residual, int64_t residual_row_stride,
+                             const void* weight, void* y, int64_t y_row_stride,
+                             void* new_residual, int64_t new_residual_row_stride, int64_t rows,
+                             int64_t hidden, float eps, gpuStream_t stream) {
   if (rows == 0 || hidden == 0) return kGpuSuccess;
   return dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
     using T = decltype(tag);
     const RmsNormGpuPartition part = rms_norm_gpu_partition(hidden, static_cast<int>(sizeof(T)));
     const bool vector_io = hidden % part.vec == 0 && rows_aligned16<T>(x, x_row_stride) &&
-                           rows_aligned16<T>(y, y_row_stride) && is_aligned16(weight);
+                           rows_aligned16<T>(y, y_row_stride) && is_aligned16(weight) &&
+                           optional_rows_aligned16<T>(residual, residual_row_stride) &&
+                           optional_rows_aligned16<T>(new_residual, new_residual_row_stride);
     const int64_t row_groups = ceil_div(rows, part.rows_per_block());
-    return dispatch_shape(part.vecs_per_thread, vector_io, [&](auto shape) {
-      using Shape = decltype(shape);
-      const auto kernel = rms_norm_fwd_kernel<T, Shape::vecs_per_thread, Shape::vector_io>;
-      const int64_t resident =
-          fwd_resident_blocks<T, Shape::vecs_per_thread, Shape::vector_io>(part.block_threads);
+    return dispatch_shape(part.vecs_per_thread, vector_io, mode, residual != nullptr,
+                          [&](auto shape) {
+      using S = decltype(shape);
+      constexpr auto kernel =
+          rms_norm_fwd_kernel<T, S::vecs_per_thread, S::vector_io, S::mode, S::residual>;
+      const int64_t resident = fwd_resident_blocks<kernel>(part.block_threads);
       const int64_t blocks = row_groups < resident ? row_groups : resident;
       kernel<<<static_cast<unsigned>(blocks), part.block_threads, 0, stream>>>(
-          static_cast<const T*>(x), x_row_stride, static_cast<const T*>(weight),
-          static_cast<T*>(y), y_row_stride, rows, hidden, eps, part.threads_per_row);
+          static_cast<const T*>(x), x_row_stride, static_cast<const T*>(residual),
+          residual_row_stride, static_cast<const T*>(weight), static_cast<T*>(y), y_row_stride,
+          static_cast<T*>(new_residual), new_residual_row_stride, rows, hidden, eps,
+          part.threads_per_row);
       return gpu_last_error();
     });
   }, gpu_not_supported);
@@ -416,8 +496,10 @@ int64_t rms_norm_bwd_workspace_elements(int64_t rows, int64_t hidden) {
   return ceil_div(rows, rms_norm_dweight_tile_rows(hidden)) * hidden;
 }
 
-gpuError_t rms_norm_bwd_simt(DType dtype, const void* grad_out, int64_t grad_out_row_stride,
-                             const void* x, int64_t x_row_stride, const void* weight, void* grad_x,
+gpuError_t rms_norm_bwd_simt(DType dtype, RmsNormMode mode, const void* grad_out,
+                             int64_t grad_out_row_stride, const void* grad_residual,
+                             int64_t grad_residual_row_stride, const void* x,
+                             int64_t x_row_stride, const void* weight, void* grad_x,
                              int64_t grad_x_row_stride, const float* dweight_accum,
                              float* dweight_out, float* workspace, int64_t rows, int64_t hidden,
                              float eps, gpuStream_t stream) {
@@ -431,16 +513,20 @@ gpuError_t rms_norm_bwd_simt(DType dtype, const void* grad_out, int64_t grad_out
       const bool vector_io = hidden % part.vec == 0 &&
                              rows_aligned16<T>(grad_out, grad_out_row_stride) &&
                              rows_aligned16<T>(x, x_row_stride) &&
-                             rows_aligned16<T>(grad_x, grad_x_row_stride) && is_aligned16(weight);
+                             rows_aligned16<T>(grad_x, grad_x_row_stride) && is_aligned16(weight) &&
+                             optional_rows_aligned16<T>(grad_residual, grad_residual_row_stride);
       const int groups = part.bwd_row_groups();
       const size_t smem = groups > 1 ? static_cast<size_t>(groups) * hidden * sizeof(float) : 0;
-      return dispatch_shape(part.vecs_per_thread, vector_io, [&](auto shape) {
-        using Shape = decltype(shape);
-        rms_norm_bwd_kernel<T, Shape::vecs_per_thread, Shape::vector_io>
+      return dispatch_shape(part.vecs_per_thread, vector_io, mode, grad_residual != nullptr,
+                            [&](auto shape) {
+        using S = decltype(shape);
+        rms_norm_bwd_kernel<T, S::vecs_per_thread, S::vector_io, S::mode, S::residual>
             <<<static_cast<unsigned>(tiles), part.bwd_block_threads, smem, stream>>>(
-                static_cast<const T*>(grad_out), grad_out_row_stride, static_cast<const T*>(x),
-                x_row_stride, static_cast<const T*>(weight), static_cast<T*>(grad_x),
-                grad_x_row_stride, workspace, rows, hidden, eps, part.threads_per_row, tile_rows);
+                static_cast<const T*>(grad_out), grad_out_row_stride,
+                static_cast<const T*>(grad_residual), grad_residual_row_stride,
+                static_cast<const T*>(x), x_row_stride, static_cast<const T*>(weight),
+                static_cast<T*>(grad_x), grad_x_row_stride, workspace, rows, hidden, eps,
+                part.threads_per_row, tile_rows);
         return gpu_last_error();
       });
     }, gpu_not_supported);

@@ -11,7 +11,7 @@ import importlib
 
 from ._spec import OpDef, OpSpec
 
-OP_MODULES = ("rms_norm", "linear", "attention", "embedding", "silu_and_mul", "rope")
+OP_MODULES = ("rms_norm", "add_rms_norm", "linear", "attention", "embedding", "silu_and_mul", "rope")
 
 SPECS: tuple[OpSpec, ...] = tuple(importlib.import_module(f"{__name__}.{name}").SPEC for name in OP_MODULES)
 

@@ -2,8 +2,13 @@
 
     y = x * rsqrt(mean(x^2, -1) + eps) * weight
 
-fp32 math, one rounding to x.dtype at the end; x is ``[..., H]`` (hidden states with H=4096,
-or per-head QK-norm on ``[B, S, heads, 128]``), weight is ``[H]`` in x's dtype.
+fp32 math; x is ``[..., H]`` (hidden states with H=4096, or per-head QK-norm on
+``[B, S, heads, 128]``), weight is ``[H]`` in x's dtype. ``mode`` picks the model's casting
+(csrc/common/rms_norm_mode.h), with xhat = x * rsqrt(mean(x^2) + eps) in fp32:
+
+* ``"fp32"`` (default): ``round(xhat * w)``, one rounding to x.dtype;
+* ``"llama"``: Hugging Face LlamaRMSNorm / Qwen3RMSNorm, ``round(round(xhat) * w)``;
+* ``"gemma"``: Hugging Face GemmaRMSNorm, ``round(xhat * (1 + w))`` with ``1 + w`` in fp32.
 
 Invariance (native kernels): each row's output and input gradient depend only on that row.
 dweight is a sum over rows taken over fixed tiles of ``rms_norm_tile_rows(H)`` rows, tiles
@@ -22,6 +27,7 @@ from . import _checks
 from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
 
 OP = "rms_norm"
+MODES = ("fp32", "llama", "gemma")
 
 # Shared with csrc/common/rms_norm_partition.h (exported by the native library under these names).
 RMS_NORM_TILE_ELEMENTS = 131072
@@ -41,35 +47,50 @@ def rms_norm_tile_rows(hidden: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_forward_args(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    _checks.check_dtype(op, "x", x)
+def check_mode(op: str, mode: str) -> None:
+    if mode not in MODES:
+        raise _checks.fail(op, f"mode must be 'fp32', 'llama' or 'gemma', got '{mode}'")
+
+
+def check_forward_args(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, x_name: str = "x") -> None:
+    """The checks of the normalised input and the weight (``x_name``: its name in op's schema)."""
+    _checks.check_dtype(op, x_name, x)
     _checks.check_dtype(op, "weight", weight)
     if x.dim() < 1:
-        raise _checks.fail(op, "x must have at least one dimension")
+        raise _checks.fail(op, f"{x_name} must have at least one dimension")
     if weight.dim() != 1:
         raise _checks.fail(op, f"weight must be 1-D, got shape {list(weight.shape)}")
     if weight.shape[0] != x.shape[-1]:
-        raise _checks.fail(op, f"weight has {weight.shape[0]} elements but x's last dimension is {x.shape[-1]}")
+        raise _checks.fail(op, f"weight has {weight.shape[0]} elements but {x_name}'s last dimension is {x.shape[-1]}")
     if weight.dtype != x.dtype:
-        raise _checks.fail(op, f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
-    _checks.check_device(op, "x", x, "weight", weight)
+        raise _checks.fail(op, f"weight dtype {weight.dtype} differs from {x_name} dtype {x.dtype}")
+    _checks.check_device(op, x_name, x, "weight", weight)
     if eps < 0:
         raise _checks.fail(op, f"eps must be >= 0, got {eps}")
 
 
-def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    _check_forward_args(OP, x, weight, eps)
+def check_like_x(op: str, name: str, t: torch.Tensor, x_name: str, x: torch.Tensor) -> None:
+    """A tensor of x's shape, dtype and device (grad_out, residual, grad_residual)."""
+    if t.shape != x.shape:
+        raise _checks.fail(op, f"{name} shape {list(t.shape)} differs from {x_name} shape {list(x.shape)}")
+    _checks.check_same(op, name, t, x_name, x)
 
 
-def check_rms_norm_backward(grad_out, x, weight, eps, dweight_accum=None) -> None:
+def check_backward_args(op, grad_name, grad_out, x_name, x, weight, eps, dweight_accum) -> None:
+    check_forward_args(op, x, weight, eps, x_name)
+    check_like_x(op, grad_name, grad_out, x_name, x)
+    _checks.check_fp32_accum(op, "dweight_accum", dweight_accum, (weight.shape[0],), x, ref_name=x_name)
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str = "fp32") -> None:
+    check_forward_args(OP, x, weight, eps)
+    check_mode(OP, mode)
+
+
+def check_rms_norm_backward(grad_out, x, weight, eps, dweight_accum=None, mode="fp32") -> None:
     op = "rms_norm_backward"
-    _check_forward_args(op, x, weight, eps)
-    if grad_out.shape != x.shape:
-        raise _checks.fail(op, f"grad_out shape {list(grad_out.shape)} differs from x shape {list(x.shape)}")
-    if grad_out.dtype != x.dtype:
-        raise _checks.fail(op, f"grad_out dtype {grad_out.dtype} differs from x dtype {x.dtype}")
-    _checks.check_device(op, "grad_out", grad_out, "x", x)
-    _checks.check_fp32_accum(op, "dweight_accum", dweight_accum, (weight.shape[0],), x, ref_name="x")
+    check_backward_args(op, "grad_out", grad_out, "x", x, weight, eps, dweight_accum)
+    check_mode(op, mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,23 +98,56 @@ def check_rms_norm_backward(grad_out, x, weight, eps, dweight_accum=None) -> Non
 # ---------------------------------------------------------------------------------------------
 
 
-def _normalize_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf * inv_rms * weight.float()
+def _inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def reference_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """The dtype path: fp32 math, one rounding to x.dtype (what the kernels compute)."""
-    check_rms_norm(x, weight, eps)
-    return _normalize_fp32(x, weight, eps).to(x.dtype)
+def _weight_factor(weight: torch.Tensor, mode: str) -> torch.Tensor:
+    w = weight.float()
+    return 1.0 + w if mode == "gemma" else w
 
 
-def reference_forward_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 y of ``mode`` before its final rounding; ``dtype`` is the llama mode's rounding of xhat."""
+    xhat = x.float() * _inv_rms(x.float(), eps)
+    if mode == "llama":
+        return xhat.to(dtype).float() * weight.float()
+    return xhat * _weight_factor(weight, mode)
+
+
+def reference_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, mode: str = "fp32") -> torch.Tensor:
+    """The dtype path: fp32 math, the mode's roundings to x.dtype (what the kernels compute)."""
+    check_rms_norm(x, weight, eps, mode)
+    return normalize(x, weight, eps, mode, x.dtype).to(x.dtype)
+
+
+def reference_forward_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, mode: str = "fp32") -> torch.Tensor:
     """Ground truth: fp32 inputs and math, fp32 output, autocast and TF32 off."""
-    check_rms_norm(x, weight, eps)
+    check_rms_norm(x, weight, eps, mode)
     with contract.fp32_reference_mode():
-        return _normalize_fp32(x.float(), weight.float(), eps)
+        return normalize(x.float(), weight.float(), eps, mode, torch.float32)
+
+
+def backward_math(grad_out, x, weight, eps, dweight_accum, mode):
+    """(grad_x rounded to x.dtype, tile-sequential fp32 dweight); arguments already checked."""
+    hidden = x.shape[-1]
+    xf = x.float().reshape(-1, hidden)
+    g = grad_out.float().reshape(-1, hidden)
+    inv_rms = _inv_rms(xf, eps)
+    xhat = xf * inv_rms
+    gw = g * _weight_factor(weight, mode)
+    c = (gw * xhat).mean(-1, keepdim=True)
+    grad_x = (inv_rms * (gw - xhat * c)).to(x.dtype).reshape(x.shape)
+    dweight = (
+        dweight_accum.float().clone()
+        if dweight_accum is not None
+        else torch.zeros(hidden, dtype=torch.float32, device=x.device)
+    )
+    h = xhat.to(x.dtype).float() if mode == "llama" else xhat
+    tile = rms_norm_tile_rows(hidden)
+    for start in range(0, xf.shape[0], tile):
+        dweight = dweight + (g[start : start + tile] * h[start : start + tile]).sum(0)
+    return grad_x, dweight
 
 
 def reference_backward(
@@ -102,47 +156,33 @@ def reference_backward(
     weight: torch.Tensor,
     eps: float = 1e-6,
     dweight_accum: torch.Tensor | None = None,
+    mode: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward in PyTorch ops, with the kernels' tile-sequential dweight (fp32)."""
-    check_rms_norm_backward(grad_out, x, weight, eps, dweight_accum)
-    hidden = x.shape[-1]
-    xf = x.float().reshape(-1, hidden)
-    g = grad_out.float().reshape(-1, hidden)
-    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    xhat = xf * inv_rms
-    gw = g * weight.float()
-    c = (gw * xhat).mean(-1, keepdim=True)
-    grad_x = (inv_rms * (gw - xhat * c)).to(x.dtype).reshape(x.shape)
-    dweight = (
-        dweight_accum.float().clone()
-        if dweight_accum is not None
-        else torch.zeros(hidden, dtype=torch.float32, device=x.device)
-    )
-    tile = rms_norm_tile_rows(hidden)
-    for start in range(0, xf.shape[0], tile):
-        dweight = dweight + (g[start : start + tile] * xhat[start : start + tile]).sum(0)
-    return grad_x, dweight
+    check_rms_norm_backward(grad_out, x, weight, eps, dweight_accum, mode)
+    return backward_math(grad_out, x, weight, eps, dweight_accum, mode)
 
 
-def _empty_forward(x, weight, eps):
+def _empty_forward(x, weight, eps, mode="fp32"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _empty_backward(grad_out, x, weight, eps, dweight_accum=None):
+def empty_backward(grad_out, x, *unused):
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((x.shape[-1],), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, eps = inputs
+    x, weight, eps, mode = inputs
     ctx.save_for_backward(x, weight)
     ctx.eps = eps
+    ctx.mode = mode
 
 
 def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight = torch.ops.rl_align.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps, None)
+    grad_x, grad_weight = torch.ops.rl_align.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps, None, ctx.mode)
     return (grad_x if ctx.needs_input_grad[0] else None,
-            grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None)
+            grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,9 +190,9 @@ def _backward(ctx, grad):
 # ---------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Batch-invariant RMSNorm over the last dimension (differentiable)."""
-    return torch.ops.rl_align.rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, mode: str = "fp32") -> torch.Tensor:
+    """Batch-invariant RMSNorm over the last dimension (differentiable); ``mode``: the module doc."""
+    return torch.ops.rl_align.rms_norm(x, weight, eps, mode)
 
 
 def rms_norm_backward(
@@ -161,6 +201,7 @@ def rms_norm_backward(
     weight: torch.Tensor,
     eps: float = 1e-6,
     dweight_accum: torch.Tensor | None = None,
+    mode: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight fp32) with grad_weight = dweight_accum (or 0) + this batch's sum.
 
@@ -168,7 +209,7 @@ def rms_norm_backward(
     reproduces the one-batch result bit for bit when every micro-batch but the last has a
     multiple of ``rms_norm_tile_rows(H)`` rows.
     """
-    return torch.ops.rl_align.rms_norm_backward(grad_out, x, weight, eps, dweight_accum)
+    return torch.ops.rl_align.rms_norm_backward(grad_out, x, weight, eps, dweight_accum, mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +232,8 @@ def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
             Sample("rms_norm_backward", (dy, x, w, EPS, None)),
             Sample("rms_norm_backward", (dy, x, w, EPS, acc)),
         ]
+        out += [Sample("rms_norm", (x, w, EPS, mode)) for mode in MODES[1:]]
+        out += [Sample("rms_norm_backward", (dy, x, w, EPS, acc, mode)) for mode in MODES[1:]]
     return out
 
 
@@ -212,6 +255,8 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput("rms_norm_backward", (x, x, w, EPS, acc.bfloat16()), ValueError, "dweight_accum must be torch.float32"),
         BadInput("rms_norm_backward", (x, x, w, EPS, acc[:15]), ValueError, r"dweight_accum must have shape \[16\]"),
         BadInput("rms_norm_backward", (x.int(), x.int(), w.int(), EPS, None), ValueError, "unsupported dtype torch.int32"),
+        BadInput("rms_norm", (x, w, EPS, "qwen"), ValueError, "mode must be 'fp32', 'llama' or 'gemma', got 'qwen'"),
+        BadInput("rms_norm_backward", (x, x, w, EPS, None, "Llama"), ValueError, "mode must be"),
     ]
     if device != "cpu":
         bad += [
@@ -245,7 +290,7 @@ SPEC = OpSpec(
     op_class="reduction",
     ops=(
         OpDef("rms_norm", check_rms_norm, reference_forward, _empty_forward, Autograd(_setup_context, _backward)),
-        OpDef("rms_norm_backward", check_rms_norm_backward, reference_backward, _empty_backward),
+        OpDef("rms_norm_backward", check_rms_norm_backward, reference_backward, empty_backward),
     ),
     exports={"rms_norm": rms_norm, "rms_norm_backward": rms_norm_backward, "rms_norm_tile_rows": rms_norm_tile_rows},
     reference_fp32=reference_forward_fp32,

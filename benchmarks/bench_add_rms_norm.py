@@ -1,0 +1,186 @@
+"""add_rms_norm benchmark (and rms_norm per casting mode): ours vs what a model runs today.
+
+    python benchmarks/bench_add_rms_norm.py [--device cuda|cpu] [--out benchmarks/results] [--quick]
+
+add_rms_norm (mode "llama", the HF Llama/Qwen3 formula) against, each A-B-B-A (common.bench_abba),
+GPU time and back-to-back wall time alike:
+  * hf: the torch composition an HF model runs (``h = x + residual`` then LlamaRMSNorm's ops);
+  * F.rms_norm: ``h = x + residual`` then ``F.rms_norm`` (PyTorch's fused norm);
+  * liger: ``h = x + residual`` then Liger-Kernel's LigerRMSNorm (casting_mode "llama"), when
+    liger_kernel is importable.
+fwd+bwd backpropagates y and new_residual (the residual stream goes on to the next layer).
+rms_norm per mode (fp32 / llama / gemma) forward against the same mode's HF formula in torch ops.
+Bytes moved (the minimum): add_rms_norm fwd = read x, residual + write y, new_residual (+ w);
+fwd+bwd adds read dy, d_new_residual, new_residual + write dx (+ w, dw). frac_of_copy = bytes /
+time / measured copy bandwidth. Targets (H100, bf16) print PASS/MISS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import rl_engine_ext  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ABBA_LEGEND, CsvWriter, bench_abba, bench_arg_parser, device_info, measure_copy_bandwidth,
+    plot_fraction_of_limit, verdict,
+)
+
+EPS = 1e-6
+DTYPE = torch.bfloat16
+MODES = ("fp32", "llama", "gemma")
+
+
+def hf_norm(h: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
+    """The HF module formula of each mode in torch ops (Llama/Qwen3, Gemma; fp32: ours)."""
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)
+    if mode == "llama":
+        return w * hf.to(h.dtype)
+    return (hf * (1.0 + w.float() if mode == "gemma" else w.float())).to(h.dtype)
+
+
+def liger_norm(hidden: int, w: torch.Tensor):
+    """LigerRMSNorm (casting_mode "llama") holding w, or None without liger_kernel."""
+    try:
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    except ImportError:
+        return None
+    mod = LigerRMSNorm(hidden, eps=EPS, casting_mode="llama").to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        mod.weight.copy_(w)
+    return lambda h, weight: mod(h)
+
+
+def add_providers(hidden: int, w: torch.Tensor) -> dict[str, object]:
+    """name -> f(x, residual, weight) -> (y, new_residual); ours first."""
+    def composed(norm):
+        def f(x, r, weight):
+            h = x + r
+            return norm(h, weight), h
+        return f
+
+    out = {
+        "rl_engine_ext": lambda x, r, weight: rl_engine_ext.add_rms_norm(x, r, weight, EPS, "llama"),
+        "hf": composed(lambda h, weight: hf_norm(h, weight, "llama")),
+        "F.rms_norm": composed(lambda h, weight: F.rms_norm(h, (h.shape[-1],), weight, EPS)),
+    }
+    liger = liger_norm(hidden, w)
+    if liger is not None:
+        out["liger"] = composed(liger)
+    return out
+
+
+def add_bytes(mode: str, rows: int, hidden: int, elem: int) -> int:
+    fwd = 4 * rows * hidden * elem + hidden * elem
+    return fwd if mode == "fwd" else fwd + 4 * rows * hidden * elem + hidden * (elem + 4)
+
+
+def main() -> int:
+    parser = bench_arg_parser(__doc__)
+    args = parser.parse_args()
+    device = args.device
+    row_counts = [1, 64] if args.quick else [1, 64, 4096, 16384]
+    hidden = 256 if args.quick else 4096
+    rep_ms = 20 if args.quick else 100
+    wall_iters = 20 if args.quick else 200
+
+    info = device_info(device)
+    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
+    out = CsvWriter(os.path.join(args.out, f"add_rms_norm_{tag}.csv"), info)
+    copy_bw = measure_copy_bandwidth(device)
+    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
+            copy_bw / 1e12, unit="TB/s")
+    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
+          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+
+    gen = torch.Generator().manual_seed(0)
+    table, results = [], {}
+    for rows in row_counts:
+        shape = f"{rows}x{hidden}"
+        x, r, dy, dres = (torch.randn(rows, hidden, generator=gen).to(device=device, dtype=DTYPE) for _ in range(4))
+        w = (torch.randn(hidden, generator=gen) * 0.1 + 1).to(device=device, dtype=DTYPE)
+        providers = add_providers(hidden, w)
+        for mode in ("fwd", "fwd+bwd"):
+            nbytes = add_bytes(mode, rows, hidden, x.element_size())
+            fns = {}
+            for name, op in providers.items():
+                if mode == "fwd":
+                    fns[name] = lambda op=op: op(x, r, w)
+                else:
+                    xg, rg, wg = (t.clone().requires_grad_() for t in (x, r, w))
+
+                    def fn(op=op, xg=xg, rg=rg, wg=wg):
+                        xg.grad = rg.grad = wg.grad = None
+                        torch.autograd.backward(op(xg, rg, wg), (dy, dres))
+
+                    fns[name] = fn
+
+            def per_side(t, nbytes=nbytes):
+                bw = nbytes / (t.median_us * 1e-6)
+                return [("bandwidth_TBps", bw / 1e12, "TB/s"), ("frac_of_copy", bw / copy_bw, "")]
+
+            for ref in (n for n in fns if n != "rl_engine_ext"):
+                pair = bench_abba(fns["rl_engine_ext"], fns[ref], device=device, rep_ms=rep_ms, wall=True,
+                                  wall_iters=wall_iters)
+                out.add_pair("add_rms_norm", shape, "bf16", mode, pair, reference=ref,
+                             ratio_metric=f"ratio_vs_{ref}", per_side=per_side)
+                results[(rows, mode, ref)] = pair
+                table.append((f"add_rms_norm {shape}", mode, ref, pair.ours.median_us, pair.reference.median_us,
+                              pair.ratio, pair.pairs, nbytes / (pair.ours.median_us * 1e-6) / copy_bw,
+                              pair.wall.ours.median_us, pair.wall.ratio))
+
+    # rms_norm per casting mode, forward, vs the same mode's HF formula.
+    for rows in row_counts[-1:]:
+        shape = f"{rows}x{hidden}"
+        x = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=DTYPE)
+        w = (torch.randn(hidden, generator=gen) * 0.1 + 1).to(device=device, dtype=DTYPE)
+        nbytes = 2 * rows * hidden * x.element_size() + hidden * x.element_size()
+        for norm_mode in MODES:
+            pair = bench_abba(lambda m=norm_mode: rl_engine_ext.rms_norm(x, w, EPS, m),
+                              lambda m=norm_mode: hf_norm(x, w, m), device=device, rep_ms=rep_ms)
+            out.add_pair(f"rms_norm_{norm_mode}", shape, "bf16", "fwd", pair, reference="hf",
+                         ratio_metric="ratio_vs_hf",
+                         per_side=lambda t: [("frac_of_copy", nbytes / (t.median_us * 1e-6) / copy_bw, "")])
+            table.append((f"rms_norm[{norm_mode}] {shape}", "fwd", "hf", pair.ours.median_us,
+                          pair.reference.median_us, pair.ratio, pair.pairs,
+                          nbytes / (pair.ours.median_us * 1e-6) / copy_bw, float("nan"), float("nan")))
+
+    out.write()
+    png = out.path.replace(".csv", ".png")
+    plot_fraction_of_limit(out.rows, png, f"add_rms_norm on {info['gpu']} (torch {info['torch']}, CUDA {info['cuda']})")
+    print(f"# wrote {out.path} and {png}")
+    print(ABBA_LEGEND + "; speedup = ratio; wall x = ratio of the back-to-back wall times")
+    print(f"{'case':>26} {'mode':>8} {'vs':>10} {'ours us':>9} {'ref us':>9} {'speedup':>8} {'pairs':>11} "
+          f"{'frac copy':>9} {'wall us':>8} {'wall x':>6}")
+    for case, mode, ref, ours, theirs, ratio, pairs, frac, wall, wall_ratio in table:
+        print(f"{case:>26} {mode:>8} {ref:>10} {ours:9.2f} {theirs:9.2f} {ratio:8.2f} {pairs:>11} {frac:9.3f} "
+              f"{wall:8.2f} {wall_ratio:6.2f}")
+
+    big, small = row_counts[-1], [m for m in row_counts if m <= 64]
+
+    def frac(mode):
+        return add_bytes(mode, big, hidden, 2) / (results[(big, mode, "hf")].ours.median_us * 1e-6) / copy_bw
+
+    print("# targets (bf16, H=%d):" % hidden)
+    print(f"{verdict(frac('fwd') >= 0.85)} add_rms_norm fwd {big}x{hidden} frac copy {frac('fwd'):.3f} >= 0.85")
+    print(f"{verdict(results[(big, 'fwd', 'hf')].ratio > 1)} add_rms_norm fwd {big}x{hidden} faster than the "
+          f"torch composition (x{results[(big, 'fwd', 'hf')].ratio:.2f})")
+    print(f"{verdict(frac('fwd+bwd') >= 0.70)} add_rms_norm fwd+bwd {big}x{hidden} frac copy "
+          f"{frac('fwd+bwd'):.3f} >= 0.70")
+    for m in small:
+        for mode in ("fwd", "fwd+bwd"):
+            p = results[(m, mode, "hf")]
+            print(f"{verdict(p.ratio >= 1 and p.wall.ratio >= 1)} add_rms_norm {mode} {m}x{hidden} no slower than "
+                  f"the torch composition: GPU x{p.ratio:.2f}, back-to-back wall x{p.wall.ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
