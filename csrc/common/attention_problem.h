@@ -37,6 +37,8 @@
 // no split whose order could change with the batch.
 #pragma once
 
+#include "host_device.h"
+
 #include <cstdint>
 
 namespace rl_align {
@@ -81,12 +83,6 @@ struct AttentionProblem {
   bool causal = true;
 };
 
-// Host-and-device accessors: the CPU kernels and the GPU kernels read descriptors the same way.
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define RL_ALIGN_HOST_DEVICE __host__ __device__ inline
-#else
-#define RL_ALIGN_HOST_DEVICE inline
-#endif
 
 // Sequence s of a problem: its descriptor row.
 struct AttentionSeq {

@@ -21,14 +21,11 @@
 // host's libm and the GPU's sinf/cosf round differently).
 #pragma once
 
+#include "host_device.h"
+
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define RL_ALIGN_HOST_DEVICE __host__ __device__ inline
-#else
-#define RL_ALIGN_HOST_DEVICE inline
-#endif
 
 namespace rl_align {
 

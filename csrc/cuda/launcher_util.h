@@ -30,4 +30,9 @@ inline int forced_path_index(const char* op, const char* env, std::initializer_l
   TORCH_CHECK_VALUE(false, "rl_align::", op, ": ", env, " must be one of ", choices, ", got '", forced, "'");
 }
 
+// A kernel entry point's return code as the op's error.
+inline void check_launch(const char* op, gpuError_t err) {
+  TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": kernel launch failed: ", gpu_error_string(err));
+}
+
 }  // namespace rl_align

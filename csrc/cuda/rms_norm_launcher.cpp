@@ -12,11 +12,6 @@
 namespace rl_align {
 namespace {
 
-void check_launch(const char* op, gpuError_t err) {
-  TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": kernel launch failed: ",
-              gpu_error_string(err));
-}
-
 struct CudaBackend {
   static void check_input(const char* op, const at::Tensor& x) {
     const int64_t max_hidden = rms_norm_gpu_max_hidden(static_cast<int>(x.element_size()));

@@ -6,15 +6,11 @@
 #include <torch/library.h>
 
 #include "../host/silu_and_mul.h"
+#include "launcher_util.h"
 #include "silu_and_mul_kernels.h"
 
 namespace rl_align {
 namespace {
-
-void check_launch(const char* op, gpuError_t err) {
-  TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": kernel launch failed: ",
-              gpu_error_string(err));
-}
 
 struct CudaBackend {
   static void fwd(const char* op, const at::Tensor& ref, const SiluMulOperands& a) {
