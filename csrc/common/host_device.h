@@ -9,3 +9,30 @@
 #define RL_ALIGN_HOST_DEVICE inline
 #endif
 #endif
+
+// One IEEE fp32 operation each, rounded to nearest and never contracted into an FMA: the GPU
+// compiler may fuse a plain a * b + c (nvcc --fmad=true), the CPU build may not
+// (-ffp-contract=off), so a formula written with these evaluates the same expression on both.
+RL_ALIGN_HOST_DEVICE float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+RL_ALIGN_HOST_DEVICE float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+RL_ALIGN_HOST_DEVICE float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}

@@ -53,44 +53,26 @@ struct RopeProblem {
   float scaling = 1.f;
 };
 
-// Products and sums rounded one at a time: the GPU compiler may not contract them into an FMA
-// (the CPU build has -ffp-contract=off), so both sides evaluate the same expression.
-RL_ALIGN_HOST_DEVICE float rope_mul(float a, float b) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-RL_ALIGN_HOST_DEVICE float rope_add(float a, float b) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
 // c and s of frequency `inv_freq` at `pos`; `inverse` (the backward: the transposed rotation)
 // negates s.
 RL_ALIGN_HOST_DEVICE void rope_cos_sin(int64_t pos, float inv_freq, float scaling, bool inverse,
                                        float& c, float& s) {
-  const float angle = rope_mul(static_cast<float>(pos), inv_freq);
+  const float angle = mul_rn(static_cast<float>(pos), inv_freq);
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
   sincosf(angle, &s, &c);
 #else
   s = std::sin(angle);
   c = std::cos(angle);
 #endif
-  c = rope_mul(c, scaling);
-  s = rope_mul(s, scaling);
+  c = mul_rn(c, scaling);
+  s = mul_rn(s, scaling);
   if (inverse) s = -s;
 }
 
 // (a, b) -> (a c - b s, b c + a s).
 RL_ALIGN_HOST_DEVICE void rope_rotate(float a, float b, float c, float s, float& out_a, float& out_b) {
-  out_a = rope_add(rope_mul(a, c), -rope_mul(b, s));
-  out_b = rope_add(rope_mul(b, c), rope_mul(a, s));
+  out_a = add_rn(mul_rn(a, c), -mul_rn(b, s));
+  out_b = add_rn(mul_rn(b, c), mul_rn(a, s));
 }
 
 // The position of token (b, s).

@@ -49,38 +49,13 @@ struct SiluMulOperands {
   int64_t dup_stride = 0;
 };
 
-// One IEEE fp32 operation each, never contracted into an FMA.
-RL_ALIGN_HOST_DEVICE float silu_mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
+RL_ALIGN_HOST_DEVICE float silu_sigmoid(float g) { return div_rn(1.f, add_rn(1.f, expf(-g))); }
 
-RL_ALIGN_HOST_DEVICE float silu_add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-RL_ALIGN_HOST_DEVICE float silu_div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-RL_ALIGN_HOST_DEVICE float silu_sigmoid(float g) { return silu_div_rn(1.f, silu_add_rn(1.f, expf(-g))); }
-
-RL_ALIGN_HOST_DEVICE float silu_of(float g, float s) { return s == 0.f ? -0.f : silu_mul_rn(g, s); }
+RL_ALIGN_HOST_DEVICE float silu_of(float g, float s) { return s == 0.f ? -0.f : mul_rn(g, s); }
 
 // y = silu(g) * u (fp32; the caller rounds once).
 RL_ALIGN_HOST_DEVICE float silu_mul_forward(float g, float u) {
-  return silu_mul_rn(silu_of(g, silu_sigmoid(g)), u);
+  return mul_rn(silu_of(g, silu_sigmoid(g)), u);
 }
 
 struct SiluMulGrads {
@@ -89,10 +64,10 @@ struct SiluMulGrads {
 
 RL_ALIGN_HOST_DEVICE SiluMulGrads silu_mul_backward(float dy, float g, float u) {
   const float s = silu_sigmoid(g);
-  const float one_minus_s = silu_add_rn(1.f, -s);
-  const float g_term = one_minus_s == 0.f ? 0.f : silu_mul_rn(g, one_minus_s);
-  const float dsilu = s == 0.f ? -0.f : silu_mul_rn(s, silu_add_rn(1.f, g_term));
-  return {silu_mul_rn(silu_mul_rn(dy, u), dsilu), silu_mul_rn(dy, silu_of(g, s))};
+  const float one_minus_s = add_rn(1.f, -s);
+  const float g_term = one_minus_s == 0.f ? 0.f : mul_rn(g, one_minus_s);
+  const float dsilu = s == 0.f ? -0.f : mul_rn(s, add_rn(1.f, g_term));
+  return {mul_rn(mul_rn(dy, u), dsilu), mul_rn(dy, silu_of(g, s))};
 }
 
 }  // namespace rl_align
