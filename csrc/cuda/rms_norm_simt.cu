@@ -6,6 +6,7 @@
 // its loads are 16-byte vectors or single elements. dweight sums rows in fixed tiles
 // (rms_norm_dweight_tile_rows), then adds the tile sums in row order: no atomics anywhere.
 #include "rms_norm_kernels.h"
+#include "../common/host_device.h"
 
 #include <atomic>
 
@@ -303,9 +304,10 @@ __global__ void __launch_bounds__(LaunchBound<VPT>::bwd)
           out.v[j] = Convert<T>::from_float(inv_rms * fmaf(-xhat, c,
                                                            dy * rms_norm_weight_factor<MODE>(
                                                                     Convert<T>::to_float(wv[k].v[j]))));
+          // add_rn: for fp32 the product above must not contract with this add into one fma.
           if constexpr (RESIDUAL) {
-            out.v[j] = Convert<T>::from_float(Convert<T>::to_float(out.v[j]) +
-                                              Convert<T>::to_float(rv.v[k].v[j]));
+            out.v[j] = Convert<T>::from_float(add_rn(Convert<T>::to_float(out.v[j]),
+                                                     Convert<T>::to_float(rv.v[k].v[j])));
           }
           dweight[k][j] =
               fmaf(dy, rms_norm_dweight_factor<MODE>(xhat, RoundTo<T>{}), dweight[k][j]);
