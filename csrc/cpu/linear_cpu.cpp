@@ -1,7 +1,9 @@
-// Torch binding of the linear ops' CPU kernels (linear_cpu_kernels.cpp).
+// Torch binding of the linear ops' CPU kernels (linear_cpu_kernels.cpp), and of linear_logprob, which
+// runs on these GEMMs (host/linear_logprob.h).
 #include <torch/library.h>
 
 #include "../host/linear.h"
+#include "../host/linear_logprob.h"
 #include "../host/native_constants.h"
 #include "linear_cpu_kernels.h"
 
@@ -28,6 +30,8 @@ TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
   m.impl("linear_grad_input", &linear_grad_input_impl<CpuBackend>);
   m.impl("linear_grad_weight", &linear_grad_weight_impl<CpuBackend>);
   m.impl("linear_grad_bias", &linear_grad_bias_impl<CpuBackend>);
+  m.impl("linear_logprob", &linear_logprob_impl<CpuBackend>);
+  m.impl("linear_logprob_backward", &linear_logprob_backward_impl<CpuBackend>);
 }
 
 }  // namespace rl_align

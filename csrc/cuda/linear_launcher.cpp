@@ -1,6 +1,7 @@
 // Torch binding of the linear GPU kernels: path choice, device guard, current stream, dtype
 // mapping. The GEMMs live in linear_sm90.cu (wgmma), linear_sm80.cu (mma.sync) and
-// linear_simt.cu (FMA tiles, bias gradient).
+// linear_simt.cu (FMA tiles, bias gradient). linear_logprob runs on the same backend
+// (host/linear_logprob.h).
 //
 // Path: chosen from (dtype, device) only: bf16/fp16 take sm90 on an sm_90a build running on
 // compute capability 9.0, else sm80 on any CUDA GPU >= 8.0, else simt; fp32 always takes simt
@@ -11,6 +12,7 @@
 #include <torch/library.h>
 
 #include "../host/linear.h"
+#include "../host/linear_logprob.h"
 #include "launcher_util.h"
 #include "linear_kernels.h"
 
@@ -79,6 +81,8 @@ TORCH_LIBRARY_IMPL(rl_align, CUDA, m) {
   m.impl("linear_grad_input", &linear_grad_input_impl<CudaBackend>);
   m.impl("linear_grad_weight", &linear_grad_weight_impl<CudaBackend>);
   m.impl("linear_grad_bias", &linear_grad_bias_impl<CudaBackend>);
+  m.impl("linear_logprob", &linear_logprob_impl<CudaBackend>);
+  m.impl("linear_logprob_backward", &linear_logprob_backward_impl<CudaBackend>);
 }
 
 }  // namespace rl_align

@@ -155,27 +155,36 @@ at::Tensor linear_grad_input_impl(const at::Tensor& grad_out, const at::Tensor& 
   return dx;
 }
 
+// dw (fp32 [out, in], allocated) = accum (or 0, null) + grad_out^T @ x over `tokens` > 0 rows.
+// accum may be dw's own storage: every path reads an element's accumulator before it writes it,
+// so micro-batches chain in place (linear_logprob's chunks).
+template <typename Backend>
+void linear_grad_weight_into(const at::Tensor& grad_out, const at::Tensor& x, const float* accum,
+                             const at::Tensor& dw) {
+  constexpr const char* op = "linear_grad_weight";
+  const int64_t n = grad_out.size(-1), k = x.size(-1);
+  const bool aligned = Backend::needs_aligned_operands(op, x.scalar_type(), x);
+  const Operand a = gemm_operand(grad_out, aligned);
+  const Operand b = gemm_operand(x, aligned);
+  GemmProblem p;
+  p.m = n; p.n = k; p.k = x.numel() / k;
+  p.a = a.rows.const_data_ptr(); p.lda = a.ld; p.a_mn_major = true;
+  p.b = b.rows.const_data_ptr(); p.ldb = b.ld; p.b_mn_major = true;
+  p.c = dw.mutable_data_ptr(); p.ldc = k; p.c_fp32 = true;
+  p.c_accum = accum;
+  Backend::run(op, x.scalar_type(), p, x);
+}
+
 template <typename Backend>
 at::Tensor linear_grad_weight_impl(const at::Tensor& grad_out, const at::Tensor& x,
                                    const std::optional<at::Tensor>& accum) {
-  constexpr const char* op = "linear_grad_weight";
   check_grad_weight_args(grad_out, x, accum);
   const int64_t n = grad_out.size(-1), k = x.size(-1);
   at::Tensor dw = at::empty({n, k}, x.options().dtype(at::kFloat));
   if (n == 0 || k == 0) return dw;
-  const int64_t tokens = x.numel() / k;
-  if (tokens == 0) return accum.has_value() ? dw.copy_(*accum) : dw.zero_();
-  const bool aligned = Backend::needs_aligned_operands(op, x.scalar_type(), x);
-  const Operand a = gemm_operand(grad_out, aligned);
-  const Operand b = gemm_operand(x, aligned);
+  if (x.numel() == 0) return accum.has_value() ? dw.copy_(*accum) : dw.zero_();
   const at::Tensor acc = accum.has_value() ? accum->contiguous() : at::Tensor();
-  GemmProblem p;
-  p.m = n; p.n = k; p.k = tokens;
-  p.a = a.rows.const_data_ptr(); p.lda = a.ld; p.a_mn_major = true;
-  p.b = b.rows.const_data_ptr(); p.ldb = b.ld; p.b_mn_major = true;
-  p.c = dw.mutable_data_ptr(); p.ldc = k; p.c_fp32 = true;
-  p.c_accum = acc.defined() ? acc.const_data_ptr<float>() : nullptr;
-  Backend::run(op, x.scalar_type(), p, x);
+  linear_grad_weight_into<Backend>(grad_out, x, acc.defined() ? acc.const_data_ptr<float>() : nullptr, dw);
   return dw;
 }
 

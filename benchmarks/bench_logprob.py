@@ -1,0 +1,194 @@
+"""logprob and linear_logprob benchmark: ours vs the naive torch path (and Liger) vs the limits.
+
+    python benchmarks/bench_logprob.py [--device cuda|cpu] [--out benchmarks/results] [--quick]
+
+logprob: logits [T, 151936] (Qwen3 vocabulary), bf16, T in {1, 64, 2048, 8192}; reference "torch"
+= torch.log_softmax(logits.float() / temperature).gather(targets) (what trainers write), fwd and
+fwd+bwd; limit = bytes that must move (fwd: read the logits; fwd+bwd: read them twice, write
+d logits) / measured copy bandwidth.
+linear_logprob: hidden [T, 4096], LM head [151936, 4096], bf16, T in {1, 64, 4096, 16384},
+fwd+bwd (d hidden, d weight); references "naive" = the torch path on our GEMM
+(log_softmax(rl_engine_ext.linear(h, W).float()).gather), "liger" = Liger's fused linear
+cross-entropy (reduction "sum", the same work) when importable; at T <= 64 also the forward alone
+(decode: what a sampler runs) against "unfused" = rl_engine_ext.logprob(rl_engine_ext.linear(h, W)).
+Extra memory = peak allocated during one fwd+bwd minus what was allocated before it.
+Every pair is timed A-B-B-A in one run (common.bench_abba).
+Targets (H100, bf16): logprob fwd at 2048 x 151936 >= 0.80 of the limit, fwd+bwd >= 0.70;
+linear_logprob fwd+bwd at T = 4096 and 16384: time <= 1.10 x naive, extra memory <= 1/8 of
+naive's, faster than Liger; T = 1..64 forward: no slower than linear + logprob.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import rl_engine_ext  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ABBA_LEGEND, CsvWriter, bench_abba, bench_arg_parser, device_info, measure_copy_bandwidth,
+    plot_fraction_of_limit, verdict,
+)
+
+VOCAB, WIDTH, TEMPERATURE = 151936, 4096, 1.0
+
+
+def torch_logprob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+
+def liger_flce():
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    return lambda h, w, t: -loss(w, h, t)
+
+
+def fwd_bwd(fn, leaves, cotangent=None):
+    """A zero-argument step: fn(*leaves) then backward of its sum (or with `cotangent`)."""
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = fn(*leaves)
+        out.backward(cotangent if cotangent is not None and out.dim() else None)
+
+    return step
+
+
+def extra_memory(step, device: str) -> float:
+    """Peak bytes allocated during one step beyond what was allocated before it."""
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def main() -> int:
+    parser = bench_arg_parser(__doc__)
+    args = parser.parse_args()
+    device = args.device
+    quick = args.quick
+    vocab, width = (4096, 256) if quick else (VOCAB, WIDTH)
+    rep_ms = 20 if quick else 100
+    wall_iters = 20 if quick else 200
+    info = device_info(device)
+    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
+    out = CsvWriter(os.path.join(args.out, f"logprob_{tag}.csv"), info)
+    copy_bw = measure_copy_bandwidth(device)
+    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
+            copy_bw / 1e12, unit="TB/s")
+    liger = liger_flce() if device == "cuda" else None
+    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
+          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s | liger {'yes' if liger else 'no'}")
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    table, targets_lines = [], []
+
+    # ---- logprob ----------------------------------------------------------------------------
+    for tokens in ([1, 64] if quick else [1, 64, 2048, 8192]):
+        shape = f"{tokens}x{vocab}"
+        logits = (torch.randn(tokens, vocab, generator=gen) * 3).to(device=device, dtype=dtype)
+        targets = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+        g = torch.randn(tokens, generator=gen).to(device)
+        for mode in ("fwd", "fwd+bwd"):
+            nbytes = tokens * vocab * 2 * (1 if mode == "fwd" else 3)
+            out.add("logprob", "limit", shape, "bf16", mode, "time_us", nbytes / copy_bw * 1e6, unit="us")
+            if mode == "fwd":
+                ours, ref = (lambda: rl_engine_ext.logprob(logits, targets)), (lambda: torch_logprob(logits, targets))
+            else:
+                x = logits.clone().requires_grad_()
+                ours = fwd_bwd(lambda x: rl_engine_ext.logprob(x, targets), [x], g)
+                ref = fwd_bwd(lambda x: torch_logprob(x, targets), [x], g)
+
+            def per_side(t, nbytes=nbytes):
+                return [("frac_of_copy", nbytes / (t.median_us * 1e-6) / copy_bw, "")]
+
+            pair = bench_abba(ours, ref, device=device, rep_ms=rep_ms, wall=tokens <= 64, wall_iters=wall_iters)
+            out.add_pair("logprob", shape, "bf16", mode, pair, reference="torch", ratio_metric="ratio_vs_torch",
+                         per_side=per_side)
+            frac = nbytes / (pair.ours.median_us * 1e-6) / copy_bw
+            table.append(("logprob", shape, mode, "torch", pair.ours.median_us, pair.reference.median_us, pair.ratio,
+                          pair.pairs, frac, pair.wall.ratio if pair.wall else float("nan"), float("nan")))
+            if tokens == 2048:
+                need = 0.80 if mode == "fwd" else 0.70
+                targets_lines.append(f"logprob {mode} {shape}: frac of limit {frac:.3f} (>= {need} {verdict(frac >= need)}); "
+                                     f"vs torch {pair.ratio:.2f}x (pairs {pair.pairs})")
+        del logits
+
+    # ---- linear_logprob ----------------------------------------------------------------------
+    weight = (torch.randn(vocab, width, generator=gen) * width**-0.5).to(device=device, dtype=dtype)
+    for tokens in ([1, 64] if quick else [1, 64, 4096, 16384]):
+        shape = f"{tokens}x{width}x{vocab}"
+        hidden = torch.randn(tokens, width, generator=gen).to(device=device, dtype=dtype)
+        targets = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        ours = fwd_bwd(lambda h, w: rl_engine_ext.linear_logprob(h, w, targets).sum(), [h, w])
+        refs = {"naive": fwd_bwd(lambda h, w: torch_logprob(rl_engine_ext.linear(h, w), targets).sum(), [h, w])}
+        if liger is not None:
+            refs["liger"] = fwd_bwd(lambda h, w: liger(h, w, targets), [h, w])
+        mem_ours = extra_memory(ours, device)
+        out.add("linear_logprob", "rl_engine_ext", shape, "bf16", "fwd+bwd", "extra_memory_GB", mem_ours / 1e9, unit="GB")
+        for name, ref in refs.items():
+            try:
+                mem_ref = extra_memory(ref, device)
+                pair = bench_abba(ours, ref, device=device, rep_ms=rep_ms)
+            except torch.OutOfMemoryError as exc:  # the naive path at large T may not fit
+                print(f"# {name} at {shape}: out of memory ({str(exc).splitlines()[0]})")
+                torch.cuda.empty_cache()
+                continue
+            out.add("linear_logprob", name, shape, "bf16", "fwd+bwd", "extra_memory_GB", mem_ref / 1e9, unit="GB")
+            out.add_pair("linear_logprob", shape, "bf16", "fwd+bwd", pair, reference=name, ratio_metric=f"ratio_vs_{name}")
+            table.append(("linear_logprob", shape, "fwd+bwd", name, pair.ours.median_us, pair.reference.median_us,
+                          pair.ratio, pair.pairs, float("nan"), pair.wall.ratio if pair.wall else float("nan"),
+                          mem_ours / mem_ref if mem_ref else float("nan")))
+            if tokens >= 4096 and name == "naive":
+                targets_lines.append(
+                    f"linear_logprob {shape}: time {1 / pair.ratio:.3f}x naive (<= 1.10 {verdict(1 / pair.ratio <= 1.10)}; "
+                    f"pairs {pair.pairs}), extra memory {mem_ours / 1e9:.2f} GB = {mem_ours / mem_ref:.3f} of naive's "
+                    f"{mem_ref / 1e9:.2f} GB (<= 0.125 {verdict(mem_ours / mem_ref <= 0.125)})")
+            if tokens >= 4096 and name == "liger":
+                targets_lines.append(f"linear_logprob {shape}: vs Liger FLCE {pair.ratio:.2f}x (> 1 {verdict(pair.ratio > 1)}; "
+                                     f"pairs {pair.pairs}); Liger extra memory {mem_ref / 1e9:.2f} GB")
+        if tokens <= 64:  # decode: the sampler's forward, against linear then logprob
+            pair = bench_abba(lambda: rl_engine_ext.linear_logprob(hidden, weight, targets),
+                              lambda: rl_engine_ext.logprob(rl_engine_ext.linear(hidden, weight), targets),
+                              device=device, rep_ms=rep_ms, wall=True, wall_iters=wall_iters)
+            out.add_pair("linear_logprob", shape, "bf16", "fwd", pair, reference="unfused", ratio_metric="ratio_vs_unfused")
+            table.append(("linear_logprob", shape, "fwd", "unfused", pair.ours.median_us, pair.reference.median_us,
+                          pair.ratio, pair.pairs, float("nan"), pair.wall.ratio, float("nan")))
+            targets_lines.append(f"linear_logprob fwd {shape}: vs linear + logprob per call {pair.ratio:.3f} (>= 1 "
+                                 f"{verdict(pair.ratio >= 1)}; pairs {pair.pairs}), wall {pair.wall.ratio:.3f} "
+                                 f"(>= 1 {verdict(pair.wall.ratio >= 1)})")
+        del hidden, h, w
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    out.write()
+    png = out.path.replace(".csv", ".png")
+    plot_fraction_of_limit(out.rows, png, f"logprob on {info['gpu']} (torch {info['torch']}, CUDA {info['cuda']})")
+    print(f"# wrote {out.path} and {png}")
+    print(ABBA_LEGEND + "; speedup = ratio; mem = extra memory ours / reference")
+    print(f"{'op':>14} {'shape':>20} {'mode':>7} {'vs':>7} {'ours us':>11} {'ref us':>11} {'speedup':>7} {'pairs':>11} "
+          f"{'frac lim':>8} {'wall x':>6} {'mem':>6}")
+    for op, shape, mode, ref, ours_us, ref_us, ratio, pairs, frac, wall, mem in table:
+        print(f"{op:>14} {shape:>20} {mode:>7} {ref:>7} {ours_us:11.1f} {ref_us:11.1f} {ratio:7.2f} {pairs:>11} "
+              f"{frac:8.3f} {wall:6.2f} {mem:6.3f}")
+    print("# targets (bf16)")
+    for line in targets_lines:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

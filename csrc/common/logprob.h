@@ -1,0 +1,134 @@
+// logprob: the arithmetic every path computes (the CPU and GPU kernels call these functions), the
+// operand descriptor of the kernel entry points, and linear_logprob's chunk rule. Torch-free and
+// GPU-runtime-free.
+//
+// A row of V logits x, with t = 1 / temperature (fp32, rounded once on the host):
+//   z_v = x_v * t                       fp32
+//   (m, s, u): m = max z, s = sum exp(z_v - m), u = sum exp(z_v - m) * (z_v - m)
+//   lse = m + log(s); logprob = (z_target - m) - log(s); entropy = log(s) - u / s
+// (u is taken relative to the running max, so the entropy does not cancel when the logits are
+// large). The sum over V is taken in a fixed order that depends only on V and the kernel's fixed
+// partition: each worker (a GPU thread, the CPU's one loop) folds its elements into a
+// LogprobState in index order with logprob_push, and the states are merged with logprob_merge in
+// a fixed tree. Every step below is one explicit IEEE fp32 operation (mul_rn, add_rn, fmaf), so
+// no compiler contracts two of them differently on two paths; exp and log are the full-accuracy
+// expf / logf (CPU glibc and GPU CUDA may differ in the last bit, so CPU and GPU results may
+// differ by an ulp; each is bitwise identical to itself whatever the batch).
+//
+// Non-finite logits: z = -inf (a masked token) contributes nothing (p = 0, and its p * z term is
+// taken as 0, its limit); a row of only -inf gives s = 0, hence lse = -inf and logprob NaN (as
+// torch's log_softmax); z = +inf or NaN makes the row's results NaN. A row never reads another.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "host_device.h"
+
+namespace rl_align {
+
+// linear_logprob runs its tokens in chunks of linear_logprob_chunk_tokens(V) rows: the logits of a
+// chunk ([chunk, V] in the input dtype, and its gradient in backward) stay under about
+// kLinearLogprobChunkElements elements, and a chunk is a multiple of the linear weight-gradient
+// tile (kLinearGradTileTokens), so the chained weight gradient is the unfused one bit for bit.
+constexpr int64_t kLinearLogprobChunkElements = int64_t{1} << 27;
+
+inline int64_t linear_logprob_chunk_tokens(int64_t vocab, int64_t grad_tile_tokens) {
+  const int64_t rows = kLinearLogprobChunkElements / (vocab > 0 ? vocab : 1);
+  const int64_t tiles = rows / grad_tile_tokens;
+  return (tiles > 0 ? tiles : 1) * grad_tile_tokens;
+}
+
+// The kernels' operands. logits rows are `logits_stride` elements apart (dense last dim);
+// targets are int32 or int64, one per row; the per-row outputs are dense fp32.
+struct LogprobOperands {
+  int64_t rows = 0, vocab = 0;
+  const void* logits = nullptr;
+  int64_t logits_stride = 0;
+  const void* targets = nullptr;
+  bool targets_int64 = true;
+  int64_t ignore_index = -100;
+  float inv_temperature = 1.f;
+  // forward outputs (fp32 [rows])
+  float* logprob = nullptr;
+  float* entropy = nullptr;
+  float* lse = nullptr;
+  // backward inputs (fp32 [rows]): the forward's entropy and lse, the incoming gradients
+  // (grad_entropy may be null: no entropy term)
+  const float* saved_entropy = nullptr;
+  const float* saved_lse = nullptr;
+  const float* grad_logprob = nullptr;
+  const float* grad_entropy = nullptr;
+  void* grad_logits = nullptr;  // logits dtype, dense rows of `vocab`
+};
+
+// Row r's target, read as int64.
+RL_ALIGN_HOST_DEVICE int64_t logprob_target(const LogprobOperands& a, int64_t r) {
+  return a.targets_int64 ? static_cast<const int64_t*>(a.targets)[r]
+                         : static_cast<int64_t>(static_cast<const int32_t*>(a.targets)[r]);
+}
+
+struct LogprobState {
+  float m, s, u;
+};
+
+RL_ALIGN_HOST_DEVICE LogprobState logprob_empty_state() { return {-INFINITY, 0.f, 0.f}; }
+
+// The state re-expressed relative to a max m_new >= st.m (an empty state stays empty).
+RL_ALIGN_HOST_DEVICE LogprobState logprob_rebase(LogprobState st, float m_new) {
+  if (st.m == -INFINITY || st.m == m_new) return {m_new, st.s, st.u};
+  const float d = add_rn(st.m, -m_new);
+  const float scale = expf(d);
+  // u' = (u + s * d) * scale: the old terms' (z - m) grow by d.
+  return {m_new, mul_rn(st.s, scale), mul_rn(fmaf(st.s, d, st.u), scale)};
+}
+
+// Folds a group of n elements (already scaled by 1 / temperature) into the state: one rebase to
+// the group's max, then the elements in index order.
+RL_ALIGN_HOST_DEVICE LogprobState logprob_push(LogprobState st, const float* z, int n) {
+  float m = st.m;
+  for (int j = 0; j < n; ++j) m = fmaxf(m, z[j]);
+  st = logprob_rebase(st, m);
+  for (int j = 0; j < n; ++j) {
+    if (z[j] == -INFINITY) continue;  // p = 0, and p * (z - m) -> 0
+    const float d = add_rn(z[j], -st.m);
+    const float e = expf(d);
+    st.s = add_rn(st.s, e);
+    st.u = fmaf(e, d, st.u);
+  }
+  return st;
+}
+
+// Merges two states (bitwise symmetric in a and b: each side is rebased, then one addition).
+RL_ALIGN_HOST_DEVICE LogprobState logprob_merge(LogprobState a, LogprobState b) {
+  const float m = fmaxf(a.m, b.m);
+  a = logprob_rebase(a, m);
+  b = logprob_rebase(b, m);
+  return {m, add_rn(a.s, b.s), add_rn(a.u, b.u)};
+}
+
+struct LogprobRow {
+  float lse, logprob, entropy;
+};
+
+// The row's results from its merged state and its target's scaled logit.
+RL_ALIGN_HOST_DEVICE LogprobRow logprob_finish(LogprobState st, float z_target) {
+  const float log_s = logf(st.s);
+  return {add_rn(st.m, log_s), add_rn(add_rn(z_target, -st.m), -log_s),
+          add_rn(log_s, -div_rn(st.u, st.s))};
+}
+
+// d logit of one element (before the rounding to the logits dtype): x the logit, onehot 1 at the
+// target, g / gh the incoming gradients of logprob / entropy, ez = E_p[z] = lse - entropy.
+// d z = g * (onehot - p) + gh * p * (ez - z); d x = d z * inv_t. The entropy term is skipped
+// without gh and where p == 0 (its limit; z = -inf would give 0 * inf).
+RL_ALIGN_HOST_DEVICE float logprob_grad(float x, bool onehot, float inv_t, float lse, float g,
+                                        bool has_gh, float gh, float ez) {
+  const float z = mul_rn(x, inv_t);
+  const float p = expf(add_rn(z, -lse));
+  float dz = mul_rn(g, add_rn(onehot ? 1.f : 0.f, -p));
+  if (has_gh && p != 0.f) dz = fmaf(mul_rn(gh, p), add_rn(ez, -z), dz);
+  return mul_rn(dz, inv_t);
+}
+
+}  // namespace rl_align

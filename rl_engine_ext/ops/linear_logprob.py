@@ -1,0 +1,325 @@
+"""linear_logprob: the LM head and logprob in one op, without the ``[T, V]`` logits.
+
+    linear_logprob(hidden, weight, targets) == logprob(linear(hidden, weight), targets)   bit for bit
+
+forward, entropy and both gradients. The tokens go through in chunks of
+``linear_logprob_chunk_tokens(V)`` (a multiple of ``LINEAR_GRAD_TILE_TOKENS``): per chunk the
+logits come from ``linear``'s own kernels, then ``logprob``'s; the backward recomputes a chunk's
+logits, takes ``logprob_backward`` and then linear's three gradient GEMMs, the weight and bias
+sums chained through the chunks in token order (csrc/host/linear_logprob.h says why that is the
+unfused result). Only one chunk's logits (and their gradient) exist at a time: about
+``LINEAR_LOGPROB_CHUNK_ELEMENTS`` elements in the input dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import contract
+from . import _checks
+from .linear import LINEAR_GRAD_TILE_TOKENS
+from .linear import reference_forward as reference_linear
+from .linear import reference_grad_bias, reference_grad_input, reference_grad_weight
+from .logprob import (
+    IGNORE_INDEX, _targets, check_backward_stats, float64_truth, check_targets, check_targets_in_range, check_temperature,
+    reference_logprob,
+    reference_logprob_backward,
+)
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+
+OP = "linear_logprob"
+GRAD_OP = "linear_logprob_backward"
+LINEAR_LOGPROB_CHUNK_ELEMENTS = 1 << 27
+
+
+CHUNK_TOKENS_ENV = "RL_ENGINE_EXT_LINEAR_LOGPROB_CHUNK_TOKENS"
+
+
+def linear_logprob_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk for a vocabulary of ``vocab``: the largest multiple of
+    LINEAR_GRAD_TILE_TOKENS whose logits fit LINEAR_LOGPROB_CHUNK_ELEMENTS (at least one tile), or
+    the positive multiple of LINEAR_GRAD_TILE_TOKENS in $RL_ENGINE_EXT_LINEAR_LOGPROB_CHUNK_TOKENS
+    (tests force small chunks; every chunk size gives the same bits)."""
+    forced = os.environ.get(CHUNK_TOKENS_ENV, "")
+    if forced:
+        if not (forced.isdigit() and int(forced) > 0 and int(forced) % LINEAR_GRAD_TILE_TOKENS == 0):
+            raise ValueError(f"rl_align::{OP}: {CHUNK_TOKENS_ENV} must be a positive multiple of "
+                             f"{LINEAR_GRAD_TILE_TOKENS}, got '{forced}'")
+        return int(forced)
+    tiles = LINEAR_LOGPROB_CHUNK_ELEMENTS // max(vocab, 1) // LINEAR_GRAD_TILE_TOKENS
+    return max(tiles, 1) * LINEAR_GRAD_TILE_TOKENS
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (the one Python copy; C++: csrc/host/logprob.h)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_args(op: str, hidden, weight, targets, bias, temperature) -> None:
+    _checks.check_dtype(op, "hidden", hidden)
+    _checks.check_dtype(op, "weight", weight)
+    if hidden.dim() < 1:
+        raise _checks.fail(op, "hidden must have at least one dimension")
+    if weight.dim() != 2 or weight.shape[0] == 0:
+        raise _checks.fail(op, f"weight must be 2-D [vocab, hidden] with vocab > 0, got shape {list(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise _checks.fail(op, f"weight is {list(weight.shape)} ([vocab, hidden]) but hidden's last dimension is "
+                               f"{hidden.shape[-1]}")
+    _checks.check_same(op, "weight", weight, "hidden", hidden)
+    if bias is not None:
+        _checks.check_dtype(op, "bias", bias)
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            raise _checks.fail(op, f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
+        _checks.check_same(op, "bias", bias, "hidden", hidden)
+    check_targets(op, targets, list(hidden.shape[:-1]), "hidden", hidden)
+    check_temperature(op, temperature)
+
+
+def check_linear_logprob(hidden, weight, targets, bias=None, temperature=1.0, ignore_index=IGNORE_INDEX) -> None:
+    _check_args(OP, hidden, weight, targets, bias, temperature)
+
+
+def check_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
+                                  temperature, ignore_index, dweight_accum=None, dbias_accum=None) -> None:
+    _check_args(GRAD_OP, hidden, weight, targets, bias, temperature)
+    check_backward_stats(GRAD_OP, grad_logprob, grad_entropy, entropy, lse, targets)
+    _checks.check_fp32_accum(GRAD_OP, "dweight_accum", dweight_accum, tuple(weight.shape), hidden)
+    if bias is None and dbias_accum is not None:
+        raise _checks.fail(GRAD_OP, "dbias_accum is given but bias is None")
+    _checks.check_fp32_accum(GRAD_OP, "dbias_accum", dbias_accum, (weight.shape[0],), hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# References (the fallback kernels: the same chunked composition of the references)
+# ---------------------------------------------------------------------------------------------
+
+
+def _chunks(tokens: int, vocab: int):
+    step = linear_logprob_chunk_tokens(vocab)
+    return [slice(s, min(s + step, tokens)) for s in range(0, tokens, step)]
+
+
+def reference_linear_logprob(hidden, weight, targets, bias=None, temperature=1.0, ignore_index=IGNORE_INDEX):
+    check_linear_logprob(hidden, weight, targets, bias, temperature, ignore_index)
+    check_targets_in_range(OP, targets, weight.shape[0], ignore_index)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    outs = [torch.empty(t.shape, dtype=torch.float32, device=hidden.device) for _ in range(3)]
+    for c in _chunks(t.numel(), weight.shape[0]):
+        for out, part in zip(outs, reference_logprob(reference_linear(h[c], weight, bias), t[c], temperature, ignore_index)):
+            out[c] = part
+    return tuple(o.reshape(targets.shape) for o in outs)
+
+
+def reference_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
+                                      temperature, ignore_index, dweight_accum=None, dbias_accum=None):
+    check_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
+                                  temperature, ignore_index, dweight_accum, dbias_accum)
+    check_targets_in_range(GRAD_OP, targets, weight.shape[0], ignore_index)
+    width = hidden.shape[-1]
+    h = hidden.reshape(-1, width)
+    rows = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
+    t, g, gh, ent, lse_r = rows(targets), rows(grad_logprob), rows(grad_entropy), rows(entropy), rows(lse)
+    grad_hidden = torch.empty_like(h)
+    dw = dweight_accum.clone() if dweight_accum is not None else h.new_zeros(weight.shape, dtype=torch.float32)
+    db = h.new_zeros(0, dtype=torch.float32)
+    if bias is not None:
+        db = dbias_accum.clone() if dbias_accum is not None else h.new_zeros(weight.shape[0], dtype=torch.float32)
+    for c in _chunks(t.numel(), weight.shape[0]):
+        logits = reference_linear(h[c], weight, bias)
+        dlogits = reference_logprob_backward(g[c], None if gh is None else gh[c], logits, t[c], ent[c], lse_r[c],
+                                             temperature, ignore_index)
+        grad_hidden[c] = reference_grad_input(dlogits, weight)
+        dw = reference_grad_weight(dlogits, h[c], dw)
+        if bias is not None:
+            db = reference_grad_bias(dlogits, db)
+    return grad_hidden.reshape(hidden.shape), dw, db
+
+
+def reference_forward_fp32(hidden, weight, targets, bias=None, temperature=1.0, ignore_index=IGNORE_INDEX):
+    """Ground truth: (logprob, entropy) in fp32 from float64 logits and log-softmax (see
+    logprob.reference_forward_fp32 for why float64)."""
+    check_linear_logprob(hidden, weight, targets, bias, temperature, ignore_index)
+    with contract.fp32_reference_mode():
+        logits = hidden.double() @ weight.double().t()
+        if bias is not None:
+            logits = logits + bias.double()
+    return float64_truth(logits, targets, temperature, ignore_index)
+
+
+def _empty_forward(hidden, weight, targets, *rest):
+    return tuple(hidden.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
+
+
+def _empty_backward(grad_logprob, grad_entropy, hidden, weight, bias, *rest):
+    return (hidden.new_empty(hidden.shape), hidden.new_empty(weight.shape, dtype=torch.float32),
+            hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, targets, bias, temperature, ignore_index = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, targets, entropy, lse, bias)
+    ctx.temperature, ctx.ignore_index = temperature, ignore_index
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
+    hidden, weight, targets, entropy, lse, bias = ctx.saved_tensors
+    grad_hidden, grad_weight, grad_bias = torch.ops.rl_align.linear_logprob_backward(
+        grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse, ctx.temperature, ctx.ignore_index,
+        None, None)
+    return (grad_hidden if ctx.needs_input_grad[0] else None,
+            grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+            None,
+            grad_bias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None,
+            None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   return_entropy: bool = False, bias: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX):
+    """``logprob(linear(hidden, weight, bias), targets, temperature, return_entropy)`` bit for bit
+    (differentiable), without materialising the ``[..., V]`` logits. hidden ``[..., H]``, weight
+    ``[V, H]`` (the LM head; may be tied to the embedding: autograd adds the gradients), targets
+    ``[...]``."""
+    lp, entropy, _ = torch.ops.rl_align.linear_logprob(hidden, weight, targets, bias, float(temperature),
+                                                       int(ignore_index))
+    return (lp, entropy) if return_entropy else lp
+
+
+def linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
+                            temperature: float = 1.0, ignore_index: int = IGNORE_INDEX, dweight_accum=None,
+                            dbias_accum=None):
+    """(grad_hidden, grad_weight fp32, grad_bias fp32 or an empty tensor without a bias), the weight
+    and bias sums continuing from dweight_accum / dbias_accum (micro-batches of multiples of
+    LINEAR_GRAD_TILE_TOKENS chain bit for bit)."""
+    return torch.ops.rl_align.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets,
+                                                      entropy, lse, float(temperature), int(ignore_index),
+                                                      dweight_accum, dbias_accum)
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec: samples, bad inputs, status-matrix cases
+# ---------------------------------------------------------------------------------------------
+
+
+def _operands(tokens_shape, vocab: int, width: int, dtype, device, seed: int):
+    hidden = seeded_randn(*tokens_shape, width, dtype=dtype, device=device, seed=seed)
+    weight = seeded_randn(vocab, width, dtype=dtype, device=device, seed=seed + 1, scale=2 * width**-0.5)
+    bias = seeded_randn(vocab, dtype=dtype, device=device, seed=seed + 2)
+    targets = _targets(tokens_shape, vocab, device, seed=seed + 3, ignored_every=5)
+    return hidden, weight, bias, targets
+
+
+def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
+    out = []
+    for shape, vocab, width in (((5,), 37, 24), ((2, 3), 70, 16), ((0,), 16, 8)):
+        h, w, b, t = _operands(shape, vocab, width, dtype, device, seed=51)
+        lp, ent, lse = reference_linear_logprob(h, w, t, b, 0.9)
+        g = seeded_randn(*shape, dtype=torch.float32, device=device, seed=52)
+        out += [
+            Sample(OP, (h, w, t, b, 0.9, IGNORE_INDEX)),
+            Sample(OP, (h.clone().requires_grad_(), w.clone().requires_grad_(), t, None, 1.0, IGNORE_INDEX)),
+            Sample(OP, (h.clone().requires_grad_(), w.clone().requires_grad_(), t.int(), b.clone().requires_grad_(),
+                        0.9, IGNORE_INDEX)),
+            Sample(GRAD_OP, (g, g, h, w, b, t, ent, lse, 0.9, IGNORE_INDEX, None, None)),
+            Sample(GRAD_OP, (g, None, h, w, None, t, ent, lse, 0.9, IGNORE_INDEX,
+                             torch.ones(w.shape, device=device), None)),
+        ]
+    return out
+
+
+def _bad_inputs(device: str) -> list[BadInput]:
+    h = torch.ones(4, 8, device=device)
+    w = torch.ones(16, 8, device=device)
+    b = torch.ones(16, device=device)
+    t = torch.zeros(4, dtype=torch.long, device=device)
+    g = torch.zeros(4, device=device)
+    bad = [
+        BadInput(OP, (h.double(), w.double(), t, None, 1.0, -100), ValueError, "unsupported dtype torch.float64 for hidden"),
+        BadInput(OP, (h[0, 0], w, t, None, 1.0, -100), ValueError, "hidden must have at least one dimension"),
+        BadInput(OP, (h, w[0], t, None, 1.0, -100), ValueError, r"weight must be 2-D \[vocab, hidden\]"),
+        BadInput(OP, (h, w[:0], t, None, 1.0, -100), ValueError, "with vocab > 0"),
+        BadInput(OP, (h, w[:, :7], t, None, 1.0, -100), ValueError, "hidden's last dimension is 8"),
+        BadInput(OP, (h, w.bfloat16(), t, None, 1.0, -100), ValueError, "weight dtype torch.bfloat16 differs from hidden dtype"),
+        BadInput(OP, (h, w, t, b[:3], 1.0, -100), ValueError, r"bias must have shape \[16\], got \[3\]"),
+        BadInput(OP, (h, w, t, b.half(), 1.0, -100), ValueError, "bias dtype torch.float16 differs"),
+        BadInput(OP, (h, w, t[:2], None, 1.0, -100), ValueError, r"targets shape \[2\] must be hidden shape"),
+        BadInput(OP, (h, w, t.float(), None, 1.0, -100), ValueError, "targets must be torch.int32 or torch.int64"),
+        BadInput(OP, (h, w, t, None, 0.0, -100), ValueError, "temperature must be a finite number > 0"),
+        BadInput(GRAD_OP, (g.half(), None, h, w, None, t, g, g, 1.0, -100, None, None), ValueError,
+                 "grad_logprob must be torch.float32"),
+        BadInput(GRAD_OP, (g, None, h, w, None, t, g[:1], g, 1.0, -100, None, None), ValueError, "entropy shape"),
+        BadInput(GRAD_OP, (g, None, h, w, None, t, g, g, 1.0, -100, torch.ones(8, 16, device=device), None), ValueError,
+                 r"dweight_accum must have shape \[16, 8\]"),
+        BadInput(GRAD_OP, (g, None, h, w, None, t, g, g, 1.0, -100, w.bfloat16(), None), ValueError,
+                 "dweight_accum must be torch.float32"),
+        BadInput(GRAD_OP, (g, None, h, w, None, t, g, g, 1.0, -100, None, b), ValueError,
+                 "dbias_accum is given but bias is None"),
+        BadInput(GRAD_OP, (g, None, h, w, b, t, g, g, 1.0, -100, None, b[:2]), ValueError,
+                 r"dbias_accum must have shape \[16\]"),
+    ]
+    if device == "cpu":
+        bad += [
+            BadInput(OP, (h, w, torch.tensor([0, 1, 16, 2]), None, 1.0, -100), IndexError,
+                     "target 16 out of range for a vocabulary of 16", True),
+        ]
+    else:
+        bad += [
+            BadInput(OP, (h, w.cpu(), t, None, 1.0, -100), RuntimeError, "weight is on cpu"),
+            BadInput(OP, (h, w, t.cpu(), None, 1.0, -100), RuntimeError, "targets is on cpu"),
+            BadInput(GRAD_OP, (g, None, h, w, None, t, g, g, 1.0, -100, torch.ones(16, 8), None), RuntimeError,
+                     "dweight_accum is on cpu"),
+        ]
+    return bad
+
+
+def _invariance_case(device: str, dtype: torch.dtype, rows: int, vocab: int, width: int) -> InvarianceCase:
+    hidden, weight, bias, targets = _operands((rows,), vocab, width, dtype, device, seed=rows + vocab)
+
+    def chain(row_inputs, cotangents, accum):
+        h, t = row_inputs
+        _, ent, lse = torch.ops.rl_align.linear_logprob(h, weight, t, bias, 0.9, IGNORE_INDEX)
+        _, dw, db = linear_logprob_backward(cotangents[0], cotangents[1], h, weight, bias, t, ent, lse, 0.9,
+                                            IGNORE_INDEX, None if accum is None else accum["weight"],
+                                            None if accum is None else accum["bias"])
+        return {"weight": dw, "bias": db}
+
+    return InvarianceCase(
+        fn=lambda hidden, targets, weight, bias: linear_logprob(hidden, weight, targets, 0.9, True, bias),
+        rows=[hidden, targets],
+        params={"weight": weight, "bias": bias},
+        weight_grad_tile=LINEAR_GRAD_TILE_TOKENS,
+        weight_grad_chain=chain,
+        accuracy=lambda: (torch.stack(linear_logprob(hidden, weight, targets, 0.9, True, bias)),
+                          torch.stack(reference_forward_fp32(hidden, weight, targets, bias, 0.9))),
+    )
+
+
+SPEC = OpSpec(
+    name=OP,
+    op_class="logprob",
+    ops=(
+        OpDef(OP, check_linear_logprob, reference_linear_logprob, _empty_forward, Autograd(_setup_context, _backward)),
+        OpDef(GRAD_OP, check_linear_logprob_backward, reference_linear_logprob_backward, _empty_backward),
+    ),
+    exports={
+        "linear_logprob": linear_logprob,
+        "linear_logprob_backward": linear_logprob_backward,
+        "linear_logprob_chunk_tokens": linear_logprob_chunk_tokens,
+        "LINEAR_LOGPROB_CHUNK_ELEMENTS": LINEAR_LOGPROB_CHUNK_ELEMENTS,
+    },
+    reference_fp32=reference_forward_fp32,
+    samples=_samples,
+    bad_inputs=_bad_inputs,
+    check_shapes=({"rows": 257, "vocab": 1000, "width": 256}, {"rows": 130, "vocab": 4099, "width": 64}),
+    invariance_case=_invariance_case,
+    constants={"LINEAR_LOGPROB_CHUNK_ELEMENTS": LINEAR_LOGPROB_CHUNK_ELEMENTS},
+)
