@@ -1,4 +1,4 @@
-// Torch binding of the rms_norm and add_rms_norm GPU kernels (rms_norm_simt.cu): the host flow is rms_norm_impl
+// Torch binding of the rms_norm and add_rms_norm GPU kernels (rms_norm_simt.cuh): the host flow is rms_norm_impl
 // (host/rms_norm.h); this backend supplies the GPU's hidden-size limit, the device guard, the
 // current stream and the kernel calls.
 #include <ATen/cuda/CUDAContext.h>
