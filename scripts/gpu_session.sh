@@ -6,7 +6,9 @@
 #   cpu_only  a CPU-only build (no CUDA kernels) in a copy of the tree, and tests/test_registry.py
 #             against it: every op on CUDA tensors through the shim's references (cpu_only.log)
 #   bench     the benchmarks named in BENCHES (default: every benchmarks/bench_*.py)
-#   usage: [STAGES="tests check"] [BENCHES="rms_norm linear"] bash scripts/gpu_session.sh [pytest args...]
+#   usage: [STAGES="tests check"] [BENCHES="rms_norm linear"] [TEST_SHARD=1/3] bash scripts/gpu_session.sh [pytest args...]
+# The whole CUDA suite takes longer than one 10-minute device call: TEST_SHARD=i/n runs every n-th
+# test file starting at the i-th (1-based), so n calls cover the suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -27,7 +29,17 @@ echo "build: $(( $(date +%s) - start )) s"
 
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has tests; then
-  python3 -m pytest -q -p no:cacheprovider -o junit_family=xunit2 --junitxml="$OUT/pytest.xml" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
+  files=()
+  if [[ -n "${TEST_SHARD:-}" ]]; then
+    i=${TEST_SHARD%/*} n=${TEST_SHARD#*/} k=0
+    for f in tests/test_*.py; do
+      (( k % n == i - 1 )) && files+=("$f")
+      k=$((k + 1))
+    done
+    echo "shard $TEST_SHARD: ${files[*]}"
+  fi
+  python3 -m pytest -q -p no:cacheprovider --durations=15 -o junit_family=xunit2 --junitxml="$OUT/pytest.xml" \
+    "${files[@]}" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
 if has check; then
   python3 -m rl_engine_ext.check --json >"$OUT/check.json" 2>"$OUT/check.err"

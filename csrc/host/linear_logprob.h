@@ -58,12 +58,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_impl(
   static const auto logprob_op = typed_op<LogprobSignature>("rl_align::logprob");
   check_linear_logprob_args("linear_logprob", hidden, weight, targets, bias, temperature);
   if (targets.is_cpu()) check_targets_in_range_cpu("linear_logprob", targets, weight.size(0), ignore_index);
-  const auto stat = [&] { return at::empty(targets.sizes(), hidden.options().dtype(at::kFloat)); };
-  at::Tensor logprob = stat(), entropy = stat(), lse = stat();
   const int64_t tokens = targets.numel();
-  if (tokens == 0) return {logprob, entropy, lse};
   const at::Tensor h = hidden.reshape({tokens, hidden.size(-1)});
   const at::Tensor t = targets.reshape({tokens});
+  if (tokens > 0 && tokens <= logprob_chunk_tokens(weight.size(0))) {  // one chunk (decode): no copies
+    const auto [logprob, entropy, lse] =
+        logprob_op.call(linear_impl<LinearBackend>(h, weight, bias), t, temperature, ignore_index);
+    return {logprob.view(targets.sizes()), entropy.view(targets.sizes()), lse.view(targets.sizes())};
+  }
+  const auto stat = [&] { return at::empty(targets.sizes(), hidden.options().dtype(at::kFloat)); };
+  at::Tensor logprob = stat(), entropy = stat(), lse = stat();
+  if (tokens == 0) return {logprob, entropy, lse};
   const at::Tensor outs[3] = {logprob.view({tokens}), entropy.view({tokens}), lse.view({tokens})};
   for_each_logprob_chunk(tokens, weight.size(0), [&](int64_t start, int64_t n) {
     const at::Tensor logits = linear_impl<LinearBackend>(h.narrow(0, start, n), weight, bias);
