@@ -11,13 +11,9 @@
 #include "embedding_kernels.h"
 
 #include <cstdint>
-#include <cstdio>
 #include <type_traits>
 
-#if !RL_ALIGN_HIP
-// Declared by <assert.h> only without NDEBUG; the device-side assert must not depend on it.
-extern "C" __host__ __device__ void __assert_fail(const char*, const char*, unsigned int, const char*) noexcept;
-#endif
+#include "device_assert.cuh"
 
 namespace rl_align {
 namespace {
@@ -32,17 +28,8 @@ struct Ids {
   }
 };
 
-// An out-of-range id: print the op and the id, then fail a device-side assert (what torch's
-// embedding does with CUDA_KERNEL_ASSERT; independent of NDEBUG; HIP: abort()). The kernel stops
-// here.
-__device__ __noinline__ void fail_bad_id(const char* op, int64_t id, int64_t num_embeddings) {
-  printf("rl_align::%s: id %lld out of range for %lld embeddings\n", op, static_cast<long long>(id),
-         static_cast<long long>(num_embeddings));
-#if RL_ALIGN_HIP
-  abort();
-#else
-  __assert_fail("rl_align::embedding: id out of range", __FILE__, __LINE__, op);
-#endif
+__device__ __forceinline__ void fail_bad_id(const char* op, int64_t id, int64_t num_embeddings) {
+  fail_index_out_of_range(op, "id", id, "", num_embeddings, " embeddings");
 }
 
 // ---- forward ---------------------------------------------------------------------------------

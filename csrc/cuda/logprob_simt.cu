@@ -13,13 +13,7 @@
 // range of groups of the row, blockIdx.y the rows (grid-striding). No reductions, no atomics.
 #include "logprob_kernels.h"
 
-#include <cstdio>
-
-
-#if !RL_ALIGN_HIP
-// Declared by <assert.h> only without NDEBUG; the device-side assert must not depend on it.
-extern "C" __host__ __device__ void __assert_fail(const char*, const char*, unsigned int, const char*) noexcept;
-#endif
+#include "device_assert.cuh"
 
 namespace rl_align {
 namespace {
@@ -56,16 +50,9 @@ __device__ __forceinline__ void load_scaled(const T* __restrict__ row, int64_t c
   }
 }
 
-// A target outside [0, vocab) that is not ignore_index: print the op and the target, then fail a
-// device-side assert (as torch's CUDA_KERNEL_ASSERT, independent of NDEBUG; HIP: abort()).
-__device__ __noinline__ void fail_bad_target(const char* op, int64_t target, int64_t vocab) {
-  printf("rl_align::%s: target %lld out of range for a vocabulary of %lld\n", op,
-         static_cast<long long>(target), static_cast<long long>(vocab));
-#if RL_ALIGN_HIP
-  abort();
-#else
-  __assert_fail("rl_align::logprob: target out of range", __FILE__, __LINE__, op);
-#endif
+// A target outside [0, vocab) that is not ignore_index (device_assert.cuh).
+__device__ __forceinline__ void fail_bad_target(const char* op, int64_t target, int64_t vocab) {
+  fail_index_out_of_range(op, "target", target, "a vocabulary of ", vocab, "");
 }
 
 __device__ __forceinline__ LogprobState shfl_xor_state(LogprobState st, int mask) {
