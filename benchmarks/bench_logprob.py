@@ -4,7 +4,8 @@
 
 logprob: logits [T, 151936] (Qwen3 vocabulary), bf16, T in {1, 64, 2048, 8192}; reference "torch"
 = torch.log_softmax(logits.float() / temperature).gather(targets) (what trainers write), fwd and
-fwd+bwd; limit = bytes that must move (fwd: read the logits; fwd+bwd: read them twice, write
+fwd+bwd, and "liger" = Liger's cross-entropy with reduction "none" (minus the log-prob) when
+importable; limit = bytes that must move (fwd: read the logits; fwd+bwd: read them twice, write
 d logits) / measured copy bandwidth.
 linear_logprob: hidden [T, 4096], LM head [151936, 4096], bf16, T in {1, 64, 4096, 16384},
 fwd+bwd (d hidden, d weight); references "naive" = the torch path on our GEMM
@@ -39,6 +40,15 @@ VOCAB, WIDTH, TEMPERATURE = 151936, 4096, 1.0
 
 def torch_logprob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+
+def liger_logprob():
+    """Liger's cross-entropy with reduction "none": minus the per-token log-prob (temperature 1)."""
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+    except ImportError:
+        return None
+    return lambda logits, targets: -liger_cross_entropy(logits, targets, reduction="none")
 
 
 def liger_flce():
@@ -90,6 +100,8 @@ def main() -> int:
     out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
             copy_bw / 1e12, unit="TB/s")
     liger = liger_flce() if device == "cuda" else None
+    liger_lp = liger_logprob() if device == "cuda" else None
+    logprob_peers = {"liger": liger_lp} if liger_lp is not None else {}
     print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
           f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s | liger {'yes' if liger else 'no'}")
     gen = torch.Generator().manual_seed(0)
@@ -105,26 +117,37 @@ def main() -> int:
         for mode in ("fwd", "fwd+bwd"):
             nbytes = tokens * vocab * 2 * (1 if mode == "fwd" else 3)
             out.add("logprob", "limit", shape, "bf16", mode, "time_us", nbytes / copy_bw * 1e6, unit="us")
+            providers = {"rl_engine_ext": rl_engine_ext.logprob, "torch": torch_logprob, **logprob_peers}
             if mode == "fwd":
-                ours, ref = (lambda: rl_engine_ext.logprob(logits, targets)), (lambda: torch_logprob(logits, targets))
+                fns = {name: (lambda fn=fn: fn(logits, targets)) for name, fn in providers.items()}
             else:
-                x = logits.clone().requires_grad_()
-                ours = fwd_bwd(lambda x: rl_engine_ext.logprob(x, targets), [x], g)
-                ref = fwd_bwd(lambda x: torch_logprob(x, targets), [x], g)
+                fns = {name: fwd_bwd(lambda x, fn=fn: fn(x, targets), [logits.clone().requires_grad_()], g)
+                       for name, fn in providers.items()}
 
             def per_side(t, nbytes=nbytes):
                 return [("frac_of_copy", nbytes / (t.median_us * 1e-6) / copy_bw, "")]
 
-            pair = bench_abba(ours, ref, device=device, rep_ms=rep_ms, wall=tokens <= 64, wall_iters=wall_iters)
-            out.add_pair("logprob", shape, "bf16", mode, pair, reference="torch", ratio_metric="ratio_vs_torch",
-                         per_side=per_side)
-            frac = nbytes / (pair.ours.median_us * 1e-6) / copy_bw
-            table.append(("logprob", shape, mode, "torch", pair.ours.median_us, pair.reference.median_us, pair.ratio,
-                          pair.pairs, frac, pair.wall.ratio if pair.wall else float("nan"), float("nan")))
-            if tokens == 2048:
-                need = 0.80 if mode == "fwd" else 0.70
-                targets_lines.append(f"logprob {mode} {shape}: frac of limit {frac:.3f} (>= {need} {verdict(frac >= need)}); "
-                                     f"vs torch {pair.ratio:.2f}x (pairs {pair.pairs})")
+            for name in (n for n in fns if n != "rl_engine_ext"):
+                try:
+                    pair = bench_abba(fns["rl_engine_ext"], fns[name], device=device, rep_ms=rep_ms, wall=tokens <= 64,
+                                      wall_iters=wall_iters)
+                except Exception as exc:  # a peer library's failure must not lose the run
+                    if name == "torch":
+                        raise
+                    print(f"# {name} failed at {shape} {mode}: {exc!r}")
+                    continue
+                out.add_pair("logprob", shape, "bf16", mode, pair, reference=name, ratio_metric=f"ratio_vs_{name}",
+                             per_side=per_side)
+                frac = nbytes / (pair.ours.median_us * 1e-6) / copy_bw
+                table.append(("logprob", shape, mode, name, pair.ours.median_us, pair.reference.median_us, pair.ratio,
+                              pair.pairs, frac, pair.wall.ratio if pair.wall else float("nan"), float("nan")))
+                if tokens == 2048 and name == "torch":
+                    need = 0.80 if mode == "fwd" else 0.70
+                    targets_lines.append(f"logprob {mode} {shape}: frac of limit {frac:.3f} (>= {need} "
+                                         f"{verdict(frac >= need)}); vs torch {pair.ratio:.2f}x (pairs {pair.pairs})")
+                if tokens == 2048 and name == "liger":
+                    targets_lines.append(f"logprob {mode} {shape}: vs Liger cross-entropy (reduction none) "
+                                         f"{pair.ratio:.2f}x (pairs {pair.pairs})")
         del logits
 
     # ---- linear_logprob ----------------------------------------------------------------------
