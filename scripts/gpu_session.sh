@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device-machine call: build with nvcc, then the stages named in STAGES (default: all), each
 # logging under $OUT:
-#   tests     the whole test suite, CUDA parametrization included        (pytest.log, pytest.xml)
+#   tests     the whole test suite, CUDA parametrization included, as TEST_PROCS (default 6)
+#             processes side by side                          (pytest_<k>.log, pytest_<k>.xml)
 #   check     python -m rl_engine_ext.check --json                        (check.json)
 #   cpu_only  a CPU-only build (no CUDA kernels) in a copy of the tree, and tests/test_registry.py
 #             against it: every op on CUDA tensors through the shim's references (cpu_only.log)
 #   bench     the benchmarks named in BENCHES (default: every benchmarks/bench_*.py)
-#   usage: [STAGES="tests check"] [BENCHES="rms_norm linear"] [TEST_SHARD=1/3] bash scripts/gpu_session.sh [pytest args...]
-# The whole CUDA suite takes longer than one 10-minute device call: TEST_SHARD=i/n runs every n-th
-# test file starting at the i-th (1-based), so n calls cover the suite.
+#   usage: [STAGES="tests check"] [BENCHES="rms_norm linear"] [TEST_PROCS=6] bash scripts/gpu_session.sh [pytest args...]
+# Run one after another, the CUDA suite outlasts one 10-minute device call; side by side it fits.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -29,17 +29,19 @@ echo "build: $(( $(date +%s) - start )) s"
 
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has tests; then
-  files=()
-  if [[ -n "${TEST_SHARD:-}" ]]; then
-    i=${TEST_SHARD%/*} n=${TEST_SHARD#*/} k=0
-    for f in tests/test_*.py; do
-      (( k % n == i - 1 )) && files+=("$f")
-      k=$((k + 1))
-    done
-    echo "shard $TEST_SHARD: ${files[*]}"
-  fi
-  python3 -m pytest -q -p no:cacheprovider --durations=15 -o junit_family=xunit2 --junitxml="$OUT/pytest.xml" \
-    "${files[@]}" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -40
+  # TEST_PROCS pytest processes side by side on the one GPU, each every TEST_PROCS-th test
+  # (tests/conftest.py --shard): the suite is bound by host-side references and small launches.
+  procs=${TEST_PROCS:-6} pids=()
+  for k in $(seq 1 "$procs"); do
+    OMP_NUM_THREADS=$(( $(nproc) / procs > 0 ? $(nproc) / procs : 1 )) python3 -m pytest -q -p no:cacheprovider \
+      --shard "$k/$procs" --durations=5 -o junit_family=xunit2 --junitxml="$OUT/pytest_$k.xml" "$@" \
+      >"$OUT/pytest_$k.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  grep -h "^FAILED\|^ERROR" "$OUT"/pytest_*.log | head -40
+  for k in $(seq 1 "$procs"); do echo "shard $k/$procs: $(tail -1 "$OUT/pytest_$k.log")"; done
+  echo "tests: $(( $(date +%s) - start )) s since the build started"
 fi
 if has check; then
   python3 -m rl_engine_ext.check --json >"$OUT/check.json" 2>"$OUT/check.err"

@@ -7,7 +7,30 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run every N-th collected test starting at the I-th (1-based): N processes "
+                          "with --shard 1/N .. N/N cover the suite once (scripts/gpu_session.sh runs "
+                          "them side by side on one GPU)")
+
+
+def _select_shard(config, items):
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    i, _, n = spec.partition("/")
+    if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise pytest.UsageError(f"--shard must be I/N with 1 <= I <= N, got {spec!r}")
+    keep, drop = [], []
+    for k, item in enumerate(items):
+        (keep if k % int(n) == int(i) - 1 else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    _select_shard(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device")
