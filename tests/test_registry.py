@@ -169,6 +169,41 @@ def test_backward_and_inference_ops_are_not_differentiable(spec, device):
             first.sum().backward()
 
 
+def _outputs(out):
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+def test_graph_recorded_only_when_a_gradient_is_needed(spec, device):
+    """A differentiable op records a graph node when grad mode is on and an input requires grad,
+    and otherwise calls the kernel directly (csrc/autograd/typed_op.h: the node costs host time at
+    decode sizes): same bits either way, no output requiring grad without a node, and a
+    forward-mode tangent still raises instead of being dropped."""
+    import torch.autograd.forward_ad as fwAD
+
+    for op in spec.ops:
+        if op.autograd is None:
+            continue
+        for sample in (s for s in spec.samples(device, torch.float32) if s.op == op.name):
+            plain = _detached(sample.args)
+            grad_args = _map_tensors(sample.args, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()))
+            with_graph = _outputs(_op(op.name)(*grad_args))
+            assert any(o.requires_grad for o in with_graph), op.name
+            with torch.no_grad():
+                no_grad = _outputs(_op(op.name)(*grad_args))
+            direct = _outputs(_op(op.name)(*plain))
+            for outs in (no_grad, direct):
+                assert not any(o.requires_grad for o in outs), op.name
+                for o, w in zip(outs, with_graph):
+                    assert torch.equal(o, w.detach()), op.name
+            if not rl_engine_ext.NATIVE_AVAILABLE:
+                continue  # torch.library's autograd: forward mode is torch's business
+            first = next(i for i, a in enumerate(plain) if isinstance(a, torch.Tensor) and a.is_floating_point())
+            with fwAD.dual_level():
+                dual = fwAD.make_dual(plain[first], torch.ones_like(plain[first]))
+                with pytest.raises(RuntimeError, match="jvp"):
+                    _op(op.name)(*(plain[:first] + (dual,) + plain[first + 1 :]))
+
+
 # ------------------------------------------------------------------------------------------
 # Bad input: the native op, the reference and the fake raise the same
 # ------------------------------------------------------------------------------------------

@@ -12,9 +12,15 @@ using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 // lse is an output for samplers and tests, not a differentiable one: its gradient is ignored.
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::attention");
+    return op;
+  }
+
   static AttentionOut kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::optional<at::Tensor>& padding_mask,
                              std::optional<double> scale, bool causal) {
+    if (!records_graph(q, k, v, padding_mask)) return call_below_autograd(forward_op(), q, k, v, padding_mask, scale, causal);
     const variable_list r = apply(q, k, v, padding_mask, scale, causal);
     return {r[0], r[1]};
   }
@@ -22,9 +28,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& padding_mask,
                                std::optional<double> scale, bool causal) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::attention");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse] = op.call(q, k, v, padding_mask, scale, causal);
+    auto [out, lse] = forward_op().call(q, k, v, padding_mask, scale, causal);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["mask"] = padding_mask.has_value() ? c10::IValue(*padding_mask) : c10::IValue();
     ctx->saved_data["scale"] = attention_scale("attention", scale, q.size(-1));
@@ -50,9 +55,15 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 
 class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlenFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::attention_varlen");
+    return op;
+  }
+
   static AttentionOut kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_seqlens, std::optional<int64_t> max_seqlen,
                              std::optional<double> scale, bool causal) {
+    if (!records_graph(q, k, v, cu_seqlens)) return call_below_autograd(forward_op(), q, k, v, cu_seqlens, max_seqlen, scale, causal);
     const variable_list r = apply(q, k, v, cu_seqlens, max_seqlen, scale, causal);
     return {r[0], r[1]};
   }
@@ -61,9 +72,8 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
                                const at::Tensor& v, const at::Tensor& cu_seqlens,
                                std::optional<int64_t> max_seqlen, std::optional<double> scale,
                                bool causal) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::attention_varlen");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse] = op.call(q, k, v, cu_seqlens, max_seqlen, scale, causal);
+    auto [out, lse] = forward_op().call(q, k, v, cu_seqlens, max_seqlen, scale, causal);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens});
     ctx->saved_data["max_seqlen"] = max_seqlen.has_value() ? c10::IValue(*max_seqlen) : c10::IValue();
     ctx->saved_data["scale"] = attention_scale("attention_varlen", scale, q.size(-1));

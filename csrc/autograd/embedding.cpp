@@ -7,20 +7,25 @@ namespace {
 
 class EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::embedding");
+    return op;
+  }
+
   static at::Tensor kernel(const at::Tensor& ids, const at::Tensor& weight,
                            std::optional<int64_t> padding_idx) {
+    if (!records_graph(weight)) return call_below_autograd(forward_op(), ids, weight, padding_idx);
     return apply(ids, weight, padding_idx);
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& weight,
                             std::optional<int64_t> padding_idx) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::embedding");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({ids});
     ctx->saved_data["num_embeddings"] = weight.size(0);
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["padding_idx"] = padding_idx;
-    return op.call(ids, weight, padding_idx);
+    return forward_op().call(ids, weight, padding_idx);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {

@@ -6,19 +6,24 @@ namespace {
 
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::linear");
+    return op;
+  }
+
   static at::Tensor kernel(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
+    if (!records_graph(x, weight, bias)) return call_below_autograd(forward_op(), x, weight, bias);
     return apply(x, weight, bias);
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::linear");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias_dtype"] =
         bias.has_value() ? c10::IValue(static_cast<int64_t>(bias->scalar_type())) : c10::IValue();
-    return op.call(x, weight, bias);
+    return forward_op().call(x, weight, bias);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {

@@ -22,17 +22,22 @@ std::pair<at::Tensor, std::optional<at::Tensor>> incoming_grads(const variable_l
 
 class LogprobFunction : public torch::autograd::Function<LogprobFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::logprob");
+    return op;
+  }
+
   static LogprobOutputs kernel(const at::Tensor& logits, const at::Tensor& targets,
                                double temperature, int64_t ignore_index) {
+    if (!records_graph(logits)) return call_below_autograd(forward_op(), logits, targets, temperature, ignore_index);
     const variable_list r = apply(logits, targets, temperature, ignore_index);
     return {r[0], r[1], r[2]};
   }
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
                                const at::Tensor& targets, double temperature, int64_t ignore_index) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::logprob");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [logprob, entropy, lse] = op.call(logits, targets, temperature, ignore_index);
+    auto [logprob, entropy, lse] = forward_op().call(logits, targets, temperature, ignore_index);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({logits, targets, entropy, lse});
     ctx->saved_data["temperature"] = temperature;
@@ -57,9 +62,15 @@ class LogprobFunction : public torch::autograd::Function<LogprobFunction> {
 
 class LinearLogprobFunction : public torch::autograd::Function<LinearLogprobFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::linear_logprob");
+    return op;
+  }
+
   static LogprobOutputs kernel(const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& targets, const std::optional<at::Tensor>& bias,
                                double temperature, int64_t ignore_index) {
+    if (!records_graph(hidden, weight, bias)) return call_below_autograd(forward_op(), hidden, weight, targets, bias, temperature, ignore_index);
     const variable_list r = apply(hidden, weight, targets, bias, temperature, ignore_index);
     return {r[0], r[1], r[2]};
   }
@@ -68,9 +79,8 @@ class LinearLogprobFunction : public torch::autograd::Function<LinearLogprobFunc
                                const at::Tensor& weight, const at::Tensor& targets,
                                const std::optional<at::Tensor>& bias, double temperature,
                                int64_t ignore_index) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::linear_logprob");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [logprob, entropy, lse] = op.call(hidden, weight, targets, bias, temperature, ignore_index);
+    auto [logprob, entropy, lse] = forward_op().call(hidden, weight, targets, bias, temperature, ignore_index);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({hidden, weight, targets, entropy, lse});
     ctx->saved_data["bias"] = bias.has_value() ? c10::IValue(*bias) : c10::IValue();

@@ -11,19 +11,24 @@ using BackwardOutputs = std::tuple<at::Tensor, at::Tensor>;
 
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::rms_norm");
+    return op;
+  }
+
   static at::Tensor kernel(const at::Tensor& x, const at::Tensor& weight, double eps,
                            c10::string_view mode) {
+    if (!records_graph(x, weight)) return call_below_autograd(forward_op(), x, weight, eps, mode);
     return apply(x, weight, eps, std::string(mode));
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps, const std::string& mode) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::rms_norm");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({x, weight});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["mode"] = mode;
-    return op.call(x, weight, eps, mode);
+    return forward_op().call(x, weight, eps, mode);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -46,8 +51,14 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 // (y, new_residual); x and residual get the same gradient, the one of new_residual.
 class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::add_rms_norm");
+    return op;
+  }
+
   static BackwardOutputs kernel(const at::Tensor& x, const at::Tensor& residual,
                                 const at::Tensor& weight, double eps, c10::string_view mode) {
+    if (!records_graph(x, residual, weight)) return call_below_autograd(forward_op(), x, residual, weight, eps, mode);
     const variable_list out = apply(x, residual, weight, eps, std::string(mode));
     return {out[0], out[1]};
   }
@@ -55,9 +66,8 @@ class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const at::Tensor& residual, const at::Tensor& weight, double eps,
                                const std::string& mode) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::add_rms_norm");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, new_residual] = op.call(x, residual, weight, eps, mode);
+    auto [y, new_residual] = forward_op().call(x, residual, weight, eps, mode);
     // An unused output's gradient stays undefined (not zeros): adding a zero grad_residual would
     // turn a -0 of dx into +0, where the unfused pair keeps it.
     ctx->set_materialize_grads(false);

@@ -11,9 +11,15 @@ using RopePair = std::tuple<at::Tensor, at::Tensor>;
 
 class RopeFunction : public torch::autograd::Function<RopeFunction> {
  public:
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::rope");
+    return op;
+  }
+
   static RopePair kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                          const at::Tensor& inv_freq, c10::string_view style,
                          c10::string_view layout, double attention_scaling) {
+    if (!records_graph(q, k, inv_freq)) return call_below_autograd(forward_op(), q, k, positions, inv_freq, style, layout, attention_scaling);
     const variable_list r = apply(q, k, positions, inv_freq, std::string(style),
                                   std::string(layout), attention_scaling);
     return {r[0], r[1]};
@@ -23,9 +29,8 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
                                const at::Tensor& positions, const at::Tensor& inv_freq,
                                const std::string& style, const std::string& layout,
                                double attention_scaling) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::rope");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [q_out, k_out] = op.call(q, k, positions, inv_freq, style, layout, attention_scaling);
+    auto [q_out, k_out] = forward_op().call(q, k, positions, inv_freq, style, layout, attention_scaling);
     ctx->save_for_backward({positions, inv_freq});
     ctx->saved_data["style"] = style;
     ctx->saved_data["layout"] = layout;

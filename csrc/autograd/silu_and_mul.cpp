@@ -7,13 +7,20 @@ namespace {
 
 class SiluAndMulFunction : public torch::autograd::Function<SiluAndMulFunction> {
  public:
-  static at::Tensor kernel(const at::Tensor& gate_up) { return apply(gate_up); }
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::silu_and_mul");
+    return op;
+  }
+
+  static at::Tensor kernel(const at::Tensor& gate_up) {
+    if (!records_graph(gate_up)) return call_below_autograd(forward_op(), gate_up);
+    return apply(gate_up);
+  }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::silu_and_mul");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({gate_up});
-    return op.call(gate_up);
+    return forward_op().call(gate_up);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -25,13 +32,20 @@ class SiluAndMulFunction : public torch::autograd::Function<SiluAndMulFunction> 
 
 class SiluMulFunction : public torch::autograd::Function<SiluMulFunction> {
  public:
-  static at::Tensor kernel(const at::Tensor& gate, const at::Tensor& up) { return apply(gate, up); }
+  static const auto& forward_op() {
+    static const auto op = typed_op<decltype(kernel)>("rl_align::silu_mul");
+    return op;
+  }
+
+  static at::Tensor kernel(const at::Tensor& gate, const at::Tensor& up) {
+    if (!records_graph(gate, up)) return call_below_autograd(forward_op(), gate, up);
+    return apply(gate, up);
+  }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    static const auto op = typed_op<decltype(kernel)>("rl_align::silu_mul");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({gate, up});
-    return op.call(gate, up);
+    return forward_op().call(gate, up);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {

@@ -15,6 +15,10 @@
 // schema, so that a Function names each schema's C++ signature once. The signature of an
 // autograd entry point is the signature of its schema: a Function keeps its entry point as a
 // static member `kernel` and looks the op up as typed_op<decltype(kernel)>("rl_align::<op>").
+//
+// Function::apply allocates a graph node and fills its context on every call, even when nothing
+// needs a gradient: about 2 us of host time, the whole budget of a decode-size op. So `kernel`
+// calls the op below Autograd directly unless records_graph(differentiable inputs...).
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,6 +29,7 @@
 #include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace rl_align {
 
@@ -36,6 +41,28 @@ using torch::autograd::variable_list;
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// Whether a call must go through Function::apply: grad mode on and an input requiring grad, or an
+// input carrying a forward-mode tangent (apply raises for those: no jvp; the direct call would
+// drop the tangent silently).
+inline bool needs_autograd(const at::Tensor& t, bool grad_mode) {
+  return t.defined() && ((grad_mode && t.requires_grad()) || t._fw_grad(/*level=*/0).defined());
+}
+inline bool needs_autograd(const std::optional<at::Tensor>& t, bool grad_mode) {
+  return t.has_value() && needs_autograd(*t, grad_mode);
+}
+template <typename... Tensors>
+bool records_graph(const Tensors&... inputs) {
+  const bool grad_mode = at::GradMode::is_enabled();
+  return (needs_autograd(inputs, grad_mode) || ...);
+}
+
+// The op called below Autograd (what Function::apply's forward does, without the node).
+template <typename Signature, typename... Args>
+decltype(auto) call_below_autograd(const c10::TypedOperatorHandle<Signature>& op, Args&&... args) {
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(std::forward<Args>(args)...);
 }
 
 // Registers autogradNotImplementedFallback for ops with no derivative of their own.
