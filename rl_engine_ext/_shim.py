@@ -9,7 +9,7 @@ kernels.
   tensors, or XPU / MPS tensors): the reference is registered for that device and warns once per
   (op, device) when it first runs.
 * Always: every op's fake kernel (its Python checks, then empty outputs), which torch.compile and
-  the meta device use.
+  the meta device use; and ``ops._spec.OPS``, the OpOverloads the public functions call.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from . import _native
 from .ops import OpDef, op_defs
+from .ops._spec import OPS
 
 SCHEMA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas.def")
 
@@ -92,3 +93,4 @@ def install() -> None:
                                                 setup_context=op.autograd.setup_context, lib=lib)
             else:
                 torch.library.register_autograd(f"rl_align::{name}", _not_differentiable(name), lib=lib)
+        setattr(OPS, name, getattr(torch.ops.rl_align, name).default)

@@ -1,7 +1,16 @@
 """Shared fixtures: every op test runs on CPU and, where a GPU is present, on CUDA."""
 
+import contextlib
+import os
+import tempfile
+
 import pytest
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process lock (tests then run one process at a time)
+    fcntl = None
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -27,6 +36,32 @@ def _select_shard(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = keep
+
+
+@contextlib.contextmanager
+def _one_process_at_a_time(name: str):
+    if fcntl is None:
+        yield
+        return
+    with open(os.path.join(tempfile.gettempdir(), f"rl_engine_ext_{name}.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_discipline(request):
+    """Side by side on one GPU, a process's cached allocations starve the others: heavy tests take a
+    cross-process lock, and a test's cached GPU memory goes back to the driver when it ends."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    heavy = request.node.get_closest_marker("gpu_memory_heavy") is not None
+    with _one_process_at_a_time("gpu_memory_heavy") if heavy else contextlib.nullcontext():
+        yield
+        torch.cuda.empty_cache()
 
 
 def pytest_collection_modifyitems(config, items):

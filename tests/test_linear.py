@@ -66,6 +66,7 @@ def _assert_rows_match(fn, full_in: torch.Tensor, full_out: torch.Tensor, row_co
 
 @pytest.mark.parametrize("shape", QWEN_SHAPES + ODD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.cuda
+@pytest.mark.gpu_memory_heavy
 def test_rows_invariant_for_every_m_cuda(dtype, shape):
     """y and grad_x rows computed in a batch of M (at a random offset) equal the rows of one
     8192-row batch, for M from 1 to 8192 across every kernel configuration switch."""
@@ -176,6 +177,7 @@ def test_cpu_result_independent_of_thread_count():
 @pytest.mark.cuda
 @pytest.mark.parametrize("path", ["sm90", "sm80", "simt"])
 @pytest.mark.parametrize("dtype_", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.gpu_memory_heavy
 def test_each_gpu_path(monkeypatch, path, dtype_):
     """Each family on its own: accuracy against the fp32 ground truth for forward, grad_x, dW and
     db, and row invariance across its thresholds."""
@@ -255,6 +257,7 @@ def test_accuracy_against_fp32(device, dtype, shape, rows):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", QWEN_SHAPES[:2] + [(4096, 12288)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.gpu_memory_heavy
 def test_accuracy_qwen_shapes_cuda(dtype, shape):
     n, k = shape
     w, _ = _weights(n, k, dtype, "cuda")

@@ -119,7 +119,7 @@ def test_layouts_agree(device, dtype, style, head_dim, rotary_dim):
     thd = rl_engine_ext.rope(q.flatten(0, 1), k.flatten(0, 1), positions.flatten(), inv_freq, style, "thd")
     _equal_pair((bhsd[0].transpose(1, 2), bhsd[1].transpose(1, 2)), bshd)
     _equal_pair((thd[0].view_as(q), thd[1].view_as(k)), bshd)
-    assert bhsd[0].is_contiguous() and bhsd[0].shape == (3, 5, 11, head_dim)
+    assert bhsd[0].shape == (3, 5, 11, head_dim) and bhsd[0].stride() == q.transpose(1, 2).stride()
 
 
 @pytest.mark.parametrize("style,head_dim,rotary_dim", CONFIGS, ids=CONFIG_IDS)
@@ -133,8 +133,12 @@ def test_strided_and_misaligned_inputs(device, dtype, style, head_dim, rotary_di
     positions = torch.arange(s, device=device).expand(b, s)
     want = rl_engine_ext.rope(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
                               positions.contiguous(), inv_freq, style, "bhsd")
-    # HF layout: q_proj(x).view(b, s, h, d).transpose(1, 2), read in place.
-    _equal_pair(rl_engine_ext.rope(q.transpose(1, 2), k.transpose(1, 2), positions, inv_freq, style, "bhsd"), want)
+    # HF layout: q_proj(x).view(b, s, h, d).transpose(1, 2), read in place; the outputs keep its
+    # (token-major) strides, as HF's own rotation does; other operands: torch.empty_like's layout,
+    # contiguous where that has no unit last stride.
+    hf_layout = rl_engine_ext.rope(q.transpose(1, 2), k.transpose(1, 2), positions, inv_freq, style, "bhsd")
+    _equal_pair(hf_layout, want)
+    assert hf_layout[0].stride() == q.transpose(1, 2).stride() and hf_layout[1].stride() == k.transpose(1, 2).stride()
     # Misaligned by one element, and slices of a wider head dimension.
     flat_q = torch.empty(q.numel() + 1, dtype=dtype, device=device)
     flat_k = torch.empty(k.numel() + 1, dtype=dtype, device=device)
@@ -144,17 +148,29 @@ def test_strided_and_misaligned_inputs(device, dtype, style, head_dim, rotary_di
     _equal_pair(rl_engine_ext.rope(qm.transpose(1, 2), km.transpose(1, 2), positions, inv_freq, style, "bhsd"), want)
     wide_q = torch.cat([q, q], -1)[..., :head_dim]
     wide_k = torch.cat([k, k], -1)[..., :head_dim]
-    _equal_pair(rl_engine_ext.rope(wide_q.transpose(1, 2), wide_k.transpose(1, 2), positions, inv_freq, style, "bhsd"),
-                want)
+    wide = rl_engine_ext.rope(wide_q.transpose(1, 2), wide_k.transpose(1, 2), positions, inv_freq, style, "bhsd")
+    _equal_pair(wide, want)
+    assert wide[0].stride() == torch.empty_like(wide_q.transpose(1, 2)).stride()
+    assert wide[0].stride(-1) == 1 and not wide[0].is_contiguous()  # dense, token-major
     # A strided last dimension (copied by the host code).
     sq = torch.stack([q, q], -1)[..., 0]
     sk = torch.stack([k, k], -1)[..., 0]
     assert sq.stride(-1) == 2
-    _equal_pair(rl_engine_ext.rope(sq.transpose(1, 2), sk.transpose(1, 2), positions, inv_freq, style, "bhsd"), want)
+    strided = rl_engine_ext.rope(sq.transpose(1, 2), sk.transpose(1, 2), positions, inv_freq, style, "bhsd")
+    _equal_pair(strided, want)
+    assert strided[0].stride() == hf_layout[0].stride()
+    # Dense but with the head dimension not innermost (a permuted buffer): contiguous outputs.
+    pq = q.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
+    pk = k.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
+    assert pq.stride(-1) != 1
+    permuted = rl_engine_ext.rope(pq.transpose(1, 2), pk.transpose(1, 2), positions, inv_freq, style, "bhsd")
+    _equal_pair(permuted, want)
+    assert permuted[0].is_contiguous() and permuted[1].is_contiguous()
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.gpu_memory_heavy
 def test_gpu_grid_configurations_agree(dtype):
     """The GPU splits heads into groups (grid.y) from the token count: Qwen3's 32/8 heads over
     1 .. 40000 tokens cover every split from one head per thread to all heads in one thread.

@@ -111,6 +111,15 @@ inline RopeOperand rope_operand(const at::Tensor& in_bshd, const at::Tensor& out
   return o;
 }
 
+// An output is laid out as empty_like lays out its operand (its strides if dense, else dense in its
+// dimension order), as torch's elementwise ops: HF's transposed projection view stays token-major,
+// so neither this op nor the backward chain behind it transposes. Contiguous where that would not
+// give a unit last stride (the kernels write rows of head_dim). Python: ops/rope.py.
+inline at::Tensor rope_output_like(const at::Tensor& t) {
+  at::Tensor out = at::empty_like(t);
+  return out.dim() > 0 && out.size(-1) > 1 && out.stride(-1) != 1 ? at::empty(t.sizes(), t.options()) : out;
+}
+
 // Forward (inverse = false) and backward (inverse = true, the transposed rotation).
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rope_run(const char* op, const char* qn, const at::Tensor& q,
@@ -120,10 +129,7 @@ std::tuple<at::Tensor, at::Tensor> rope_run(const char* op, const char* qn, cons
                                             double scaling, bool inverse) {
   const RopeLayout layout =
       check_rope_args(op, qn, q, kn, k, positions, inv_freq, style, layout_name, scaling);
-  const auto contiguous = [](const at::Tensor& t) {
-    return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
-  };
-  at::Tensor q_out = contiguous(q), k_out = contiguous(k);
+  at::Tensor q_out = rope_output_like(q), k_out = rope_output_like(k);
   if (q.numel() == 0 && k.numel() == 0) return {q_out, k_out};
   // Strided views are read in place; only a strided last dimension is copied.
   const auto dense_last = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };

@@ -16,7 +16,7 @@ import torch
 
 from .. import contract
 from . import rms_norm as rms
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "add_rms_norm"
 EPS = rms.EPS
@@ -80,8 +80,8 @@ def _backward(ctx, grad_y, grad_residual):
     if grad_y is None:
         return grad_residual, grad_residual, None, None, None
     new_residual, weight = ctx.saved_tensors
-    grad_input, grad_weight = torch.ops.rl_align.add_rms_norm_backward(
-        grad_y.contiguous(), grad_residual, new_residual, weight, ctx.eps, None, ctx.mode)
+    grad_input, grad_weight = OPS.add_rms_norm_backward(
+                                                        grad_y.contiguous(), grad_residual, new_residual, weight, ctx.eps, None, ctx.mode)
     return (grad_input if ctx.needs_input_grad[0] else None, grad_input if ctx.needs_input_grad[1] else None,
             grad_weight.to(weight.dtype) if ctx.needs_input_grad[2] else None, None, None)
 
@@ -89,14 +89,14 @@ def _backward(ctx, grad_y, grad_residual):
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                  mode: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), differentiable, bit for bit the unfused pair."""
-    return torch.ops.rl_align.add_rms_norm(x, residual, weight, eps, mode)
+    return OPS.add_rms_norm(x, residual, weight, eps, mode)
 
 
 def add_rms_norm_backward(grad_y, grad_residual, new_residual, weight, eps=1e-6, dweight_accum=None, mode="fp32"):
     """(grad of x and of residual, grad_weight fp32 = dweight_accum (or 0) + this batch's sum);
     chaining as rms_norm_backward."""
-    return torch.ops.rl_align.add_rms_norm_backward(grad_y, grad_residual, new_residual, weight, eps,
-                                                    dweight_accum, mode)
+    return OPS.add_rms_norm_backward(grad_y, grad_residual, new_residual, weight, eps,
+                                     dweight_accum, mode)
 
 
 def _samples(device: str, dtype: torch.dtype) -> list[Sample]:

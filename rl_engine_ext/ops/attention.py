@@ -35,7 +35,7 @@ import torch
 
 from .. import contract, testing
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "attention"
 
@@ -358,7 +358,7 @@ def _setup_padded(ctx, inputs, output):
 
 def _backward_padded(ctx, grad_out, grad_lse):
     # lse is an output for samplers and tests, not a differentiable one: its gradient is ignored.
-    dq, dk, dv = torch.ops.rl_align.attention_backward(grad_out, *ctx.saved_tensors, *ctx.extras)
+    dq, dk, dv = OPS.attention_backward(grad_out, *ctx.saved_tensors, *ctx.extras)
     return dq, dk, dv, None, None, None
 
 
@@ -371,7 +371,7 @@ def _setup_varlen(ctx, inputs, output):
 
 
 def _backward_varlen(ctx, grad_out, grad_lse):
-    dq, dk, dv = torch.ops.rl_align.attention_varlen_backward(grad_out, *ctx.saved_tensors, *ctx.extras)
+    dq, dk, dv = OPS.attention_varlen_backward(grad_out, *ctx.saved_tensors, *ctx.extras)
     return dq, dk, dv, None, None, None, None
 
 
@@ -391,7 +391,7 @@ def attention(
     return_lse: bool = False,
 ):
     """Batch-invariant attention over a padded batch (differentiable in q, k, v)."""
-    out, lse = torch.ops.rl_align.attention(q, k, v, padding_mask, scale, causal)
+    out, lse = OPS.attention(q, k, v, padding_mask, scale, causal)
     return (out, lse) if return_lse else out
 
 
@@ -407,7 +407,7 @@ def attention_varlen(
     return_lse: bool = False,
 ):
     """Batch-invariant attention over packed sequences (differentiable in q, k, v)."""
-    out, lse = torch.ops.rl_align.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    out, lse = OPS.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal)
     return (out, lse) if return_lse else out
 
 
@@ -421,7 +421,7 @@ def attention_kvcache(
     return_lse: bool = False,
 ):
     """KV-cache attention (decode / chunked prefill): the same bits as the full prefill."""
-    out, lse = torch.ops.rl_align.attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale)
+    out, lse = OPS.attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale)
     return (out, lse) if return_lse else out
 
 
@@ -441,8 +441,8 @@ def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
     ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
     qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
     cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
-    out, lse = torch.ops.rl_align.attention(q, k, v, mask, 0.2, False)
-    outp, lsep = torch.ops.rl_align.attention_varlen(qp, kp, vp, cu, None, None, True)
+    out, lse = OPS.attention(q, k, v, mask, 0.2, False)
+    outp, lsep = OPS.attention_varlen(qp, kp, vp, cu, None, None, True)
     dout = seeded_randn(*q.shape, dtype=dtype, device=device, seed=9)
     return [
         Sample("attention", (ql, kl, vl, None, None, True)),
@@ -461,7 +461,7 @@ def _bad_inputs(device: str) -> list[BadInput]:
     q, _, _ = _qkv(device, torch.bfloat16, hq=4, s=8)
     kv = seeded_randn(2, 2, 8, 64, dtype=torch.bfloat16, device=device, seed=3)
     qp, kvp = q[0].transpose(0, 1).contiguous(), kv[0].transpose(0, 1).contiguous()  # [8, H, D]
-    out, lse = torch.ops.rl_align.attention(q, kv, kv, None, None, True)
+    out, lse = OPS.attention(q, kv, kv, None, None, True)
     cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
 
     def varlen(cu_values, max_seqlen=None, dtype=torch.int32):

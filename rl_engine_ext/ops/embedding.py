@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "embedding"
 GRAD_OP = "embedding_grad_weight"
@@ -132,7 +132,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (ids,) = ctx.saved_tensors
-    dweight = torch.ops.rl_align.embedding_grad_weight(grad, ids, ctx.num_embeddings, ctx.padding_idx, None)
+    dweight = OPS.embedding_grad_weight(grad, ids, ctx.num_embeddings, ctx.padding_idx, None)
     return None, dweight.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None
 
 
@@ -143,7 +143,7 @@ def _backward(ctx, grad):
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
     """Batch-invariant ``weight[ids]`` (differentiable in weight; padding_idx as F.embedding)."""
-    return torch.ops.rl_align.embedding(ids, weight, padding_idx)
+    return OPS.embedding(ids, weight, padding_idx)
 
 
 def embedding_grad_weight(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
@@ -151,7 +151,7 @@ def embedding_grad_weight(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddi
     """fp32 [num_embeddings, H] = dweight_accum (or 0) + each row's tokens' gradients, summed in
     token order. Chaining: feeding each micro-batch's result into the next call's
     ``dweight_accum`` reproduces the one-batch result bit for bit, for micro-batches of any size."""
-    return torch.ops.rl_align.embedding_grad_weight(grad_out, ids, num_embeddings, padding_idx, dweight_accum)
+    return OPS.embedding_grad_weight(grad_out, ids, num_embeddings, padding_idx, dweight_accum)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 
 from .. import contract
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "linear"
 
@@ -166,11 +166,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_x = torch.ops.rl_align.linear_grad_input(grad, weight) if ctx.needs_input_grad[0] else None
-    grad_w = torch.ops.rl_align.linear_grad_weight(grad, x, None).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    grad_x = OPS.linear_grad_input(grad, weight) if ctx.needs_input_grad[0] else None
+    grad_w = OPS.linear_grad_weight(grad, x, None).to(weight.dtype) if ctx.needs_input_grad[1] else None
     grad_b = None
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-        grad_b = torch.ops.rl_align.linear_grad_bias(grad, None).to(ctx.bias_dtype)
+        grad_b = OPS.linear_grad_bias(grad, None).to(ctx.bias_dtype)
     return grad_x, grad_w, grad_b
 
 
@@ -181,12 +181,12 @@ def _backward(ctx, grad):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant ``x @ weight.T (+ bias)`` (differentiable), a drop-in for F.linear."""
-    return torch.ops.rl_align.linear(x, weight, bias)
+    return OPS.linear(x, weight, bias)
 
 
 def linear_grad_input(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``grad_out @ weight``: the input gradient of linear, in the input dtype."""
-    return torch.ops.rl_align.linear_grad_input(grad_out, weight)
+    return OPS.linear_grad_input(grad_out, weight)
 
 
 def linear_grad_weight(
@@ -198,12 +198,12 @@ def linear_grad_weight(
     reproduces the one-batch result bit for bit when every micro-batch but the last has a
     multiple of ``LINEAR_GRAD_TILE_TOKENS`` tokens.
     """
-    return torch.ops.rl_align.linear_grad_weight(grad_out, x, dweight_accum)
+    return OPS.linear_grad_weight(grad_out, x, dweight_accum)
 
 
 def linear_grad_bias(grad_out: torch.Tensor, dbias_accum: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``dbias_accum (or 0) + grad_out`` summed over tokens; chains like linear_grad_weight."""
-    return torch.ops.rl_align.linear_grad_bias(grad_out, dbias_accum)
+    return OPS.linear_grad_bias(grad_out, dbias_accum)
 
 
 # ---------------------------------------------------------------------------------------------

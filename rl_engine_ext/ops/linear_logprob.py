@@ -27,7 +27,7 @@ from .logprob import (
     reference_logprob,
     reference_logprob_backward,
 )
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "linear_logprob"
 GRAD_OP = "linear_logprob_backward"
@@ -168,9 +168,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
     hidden, weight, targets, entropy, lse, bias = ctx.saved_tensors
-    grad_hidden, grad_weight, grad_bias = torch.ops.rl_align.linear_logprob_backward(
-        grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse, ctx.temperature, ctx.ignore_index,
-        None, None)
+    grad_hidden, grad_weight, grad_bias = OPS.linear_logprob_backward(
+                                                                      grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse, ctx.temperature, ctx.ignore_index,
+                                                                      None, None)
     return (grad_hidden if ctx.needs_input_grad[0] else None,
             grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
             None,
@@ -189,8 +189,8 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     (differentiable), without materialising the ``[..., V]`` logits. hidden ``[..., H]``, weight
     ``[V, H]`` (the LM head; may be tied to the embedding: autograd adds the gradients), targets
     ``[...]``."""
-    lp, entropy, _ = torch.ops.rl_align.linear_logprob(hidden, weight, targets, bias, float(temperature),
-                                                       int(ignore_index))
+    lp, entropy, _ = OPS.linear_logprob(hidden, weight, targets, bias, float(temperature),
+                                        int(ignore_index))
     return (lp, entropy) if return_entropy else lp
 
 
@@ -200,9 +200,9 @@ def linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, ta
     """(grad_hidden, grad_weight fp32, grad_bias fp32 or an empty tensor without a bias), the weight
     and bias sums continuing from dweight_accum / dbias_accum (micro-batches of multiples of
     LINEAR_GRAD_TILE_TOKENS chain bit for bit)."""
-    return torch.ops.rl_align.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets,
-                                                      entropy, lse, float(temperature), int(ignore_index),
-                                                      dweight_accum, dbias_accum)
+    return OPS.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets,
+                                       entropy, lse, float(temperature), int(ignore_index),
+                                       dweight_accum, dbias_accum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def _invariance_case(device: str, dtype: torch.dtype, rows: int, vocab: int, wid
 
     def chain(row_inputs, cotangents, accum):
         h, t = row_inputs
-        _, ent, lse = torch.ops.rl_align.linear_logprob(h, weight, t, bias, 0.9, IGNORE_INDEX)
+        _, ent, lse = OPS.linear_logprob(h, weight, t, bias, 0.9, IGNORE_INDEX)
         _, dw, db = linear_logprob_backward(cotangents[0], cotangents[1], h, weight, bias, t, ent, lse, 0.9,
                                             IGNORE_INDEX, None if accum is None else accum["weight"],
                                             None if accum is None else accum["bias"])

@@ -20,7 +20,7 @@ import torch
 
 from .. import contract
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "logprob"
 GRAD_OP = "logprob_backward"
@@ -183,8 +183,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
     logits, targets, entropy, lse = ctx.saved_tensors
-    grad_logits = torch.ops.rl_align.logprob_backward(grad_logprob, grad_entropy, logits, targets, entropy, lse,
-                                                      ctx.temperature, ctx.ignore_index)
+    grad_logits = OPS.logprob_backward(grad_logprob, grad_entropy, logits, targets, entropy, lse,
+                                       ctx.temperature, ctx.ignore_index)
     return grad_logits, None, None, None
 
 
@@ -198,7 +198,7 @@ def logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.
     """Batch-invariant per-token log-probs (differentiable): fp32 ``logprob[...]`` of each target
     under ``softmax(logits / temperature)``, and with ``return_entropy`` also the entropy of that
     distribution: ``(logprob, entropy)``. Targets equal to ``ignore_index`` give 0 and no gradient."""
-    lp, entropy, _ = torch.ops.rl_align.logprob(logits, targets, float(temperature), int(ignore_index))
+    lp, entropy, _ = OPS.logprob(logits, targets, float(temperature), int(ignore_index))
     return (lp, entropy) if return_entropy else lp
 
 
@@ -206,8 +206,8 @@ def logprob_backward(grad_logprob, grad_entropy, logits, targets, entropy, lse, 
                      ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """grad_logits in the logits dtype from the forward's entropy and lse (``torch.ops.rl_align.logprob``'s
     second and third outputs); ``grad_entropy`` None: no entropy term."""
-    return torch.ops.rl_align.logprob_backward(grad_logprob, grad_entropy, logits, targets, entropy, lse,
-                                               float(temperature), int(ignore_index))
+    return OPS.logprob_backward(grad_logprob, grad_entropy, logits, targets, entropy, lse,
+                                float(temperature), int(ignore_index))
 
 
 # ---------------------------------------------------------------------------------------------

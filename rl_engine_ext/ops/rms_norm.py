@@ -24,7 +24,7 @@ import torch
 
 from .. import contract, testing
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "rms_norm"
 MODES = ("fp32", "llama", "gemma")
@@ -180,7 +180,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight = torch.ops.rl_align.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps, None, ctx.mode)
+    grad_x, grad_weight = OPS.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps, None, ctx.mode)
     return (grad_x if ctx.needs_input_grad[0] else None,
             grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None)
 
@@ -192,7 +192,7 @@ def _backward(ctx, grad):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, mode: str = "fp32") -> torch.Tensor:
     """Batch-invariant RMSNorm over the last dimension (differentiable); ``mode``: the module doc."""
-    return torch.ops.rl_align.rms_norm(x, weight, eps, mode)
+    return OPS.rms_norm(x, weight, eps, mode)
 
 
 def rms_norm_backward(
@@ -209,7 +209,7 @@ def rms_norm_backward(
     reproduces the one-batch result bit for bit when every micro-batch but the last has a
     multiple of ``rms_norm_tile_rows(H)`` rows.
     """
-    return torch.ops.rl_align.rms_norm_backward(grad_out, x, weight, eps, dweight_accum, mode)
+    return OPS.rms_norm_backward(grad_out, x, weight, eps, dweight_accum, mode)
 
 
 # ---------------------------------------------------------------------------------------------

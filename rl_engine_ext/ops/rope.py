@@ -19,7 +19,10 @@ Layouts: ``"bhsd"`` q ``[B, Hq, S, D]`` (HF's attention layout), ``"bshd"`` ``[B
 both with positions ``[B, S]``; ``"thd"`` packed ``[T, Hq, D]`` with positions ``[T]`` (each
 packed sequence restarting at 0). k has the same tokens and head_dim, any head count (GQA).
 Positions int32/int64 on q's device; strided views of q, k and positions are read in place
-(positions may be an expanded ``[1, S] -> [B, S]`` view). Outputs are contiguous in the layout.
+(positions may be an expanded ``[1, S] -> [B, S]`` view). Each output is laid out as
+``torch.empty_like`` lays out its operand (its strides if dense, else dense in its dimension
+order: as torch's elementwise ops, so HF's transposed projection view stays token-major, as HF's
+own rotation leaves it), or contiguous where that would not give a unit last stride.
 The backward is the transposed rotation (the same with s negated): ``rope_backward``.
 
 Invariance (native kernels): every output element is a function of its own token's position and
@@ -36,7 +39,7 @@ import torch
 
 from .. import contract, testing
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "rope"
 STYLES = ("neox", "gptj")
@@ -132,7 +135,7 @@ def _reference(check, q, k, positions, inv_freq, style, layout, attention_scalin
     angles = _angles(positions, inv_freq, layout)
     c, s = torch.cos(angles) * attention_scaling, torch.sin(angles) * attention_scaling
     s = -s if inverse else s
-    return tuple(_rotate(t.float(), c, s, style).to(t.dtype) for t in (q, k))
+    return tuple(_output_like(t).copy_(_rotate(t.float(), c, s, style)) for t in (q, k))
 
 
 def reference_forward(q, k, positions, inv_freq, style="neox", layout="bhsd", attention_scaling=1.0):
@@ -155,8 +158,14 @@ def reference_forward_fp32(q, k, positions, inv_freq, style="neox", layout="bhsd
         return tuple(_rotate(t.float().double(), c, s, style).float() for t in (q, k))
 
 
+def _output_like(t: torch.Tensor) -> torch.Tensor:
+    """The output layout rule (C++: rope_output_like in csrc/host/rope.h)."""
+    out = torch.empty_like(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device) if out.dim() and out.shape[-1] > 1 and out.stride(-1) != 1 else out
+
+
 def _empty(q, k, *args):
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device))
+    return _output_like(q), _output_like(k)
 
 
 def _setup_context(ctx, inputs, output):
@@ -167,7 +176,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_q, grad_k):
     positions, inv_freq = ctx.saved_tensors
-    dq, dk = torch.ops.rl_align.rope_backward(grad_q, grad_k, positions, inv_freq, *ctx.rope_args)
+    dq, dk = OPS.rope_backward(grad_q, grad_k, positions, inv_freq, *ctx.rope_args)
     return (dq if ctx.needs_input_grad[0] else None, dk if ctx.needs_input_grad[1] else None,
             None, None, None, None, None)
 
@@ -180,14 +189,14 @@ def _backward(ctx, grad_q, grad_k):
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, style: str = "neox",
          layout: str = "bhsd", attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch-invariant rotary position embedding of q and k (differentiable in q and k)."""
-    return torch.ops.rl_align.rope(q, k, positions, inv_freq, style, layout, attention_scaling)
+    return OPS.rope(q, k, positions, inv_freq, style, layout, attention_scaling)
 
 
 def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                   style: str = "neox", layout: str = "bhsd",
                   attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_q, grad_k) of rope: the transposed rotation of the incoming gradients."""
-    return torch.ops.rl_align.rope_backward(grad_q, grad_k, positions, inv_freq, style, layout, attention_scaling)
+    return OPS.rope_backward(grad_q, grad_k, positions, inv_freq, style, layout, attention_scaling)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 
 from .. import contract
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OpSpec, Sample, seeded_randn
+from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "silu_and_mul"
 
@@ -160,7 +160,7 @@ def _setup_silu_and_mul(ctx, inputs, output):
 
 def _backward_silu_and_mul(ctx, grad):
     (gate_up,) = ctx.saved_tensors
-    return torch.ops.rl_align.silu_and_mul_backward(grad, gate_up)
+    return OPS.silu_and_mul_backward(grad, gate_up)
 
 
 def _setup_silu_mul(ctx, inputs, output):
@@ -169,7 +169,7 @@ def _setup_silu_mul(ctx, inputs, output):
 
 def _backward_silu_mul(ctx, grad):
     gate, up = ctx.saved_tensors
-    d_gate, d_up = torch.ops.rl_align.silu_mul_backward(grad, gate, up)
+    d_gate, d_up = OPS.silu_mul_backward(grad, gate, up)
     return (d_gate if ctx.needs_input_grad[0] else None, d_up if ctx.needs_input_grad[1] else None)
 
 
@@ -186,16 +186,16 @@ def silu_and_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch
     give the same bits.
     """
     if up is None:
-        return torch.ops.rl_align.silu_and_mul(gate_up)
-    return torch.ops.rl_align.silu_mul(gate_up, up)
+        return OPS.silu_and_mul(gate_up)
+    return OPS.silu_mul(gate_up, up)
 
 
 def silu_and_mul_backward(grad_out: torch.Tensor, gate_up: torch.Tensor, up: torch.Tensor | None = None):
     """d(gate_up) ``[..., 2I]`` for the one-tensor layout, (d gate, d up) for the two-tensor one,
     in the input dtype."""
     if up is None:
-        return torch.ops.rl_align.silu_and_mul_backward(grad_out, gate_up)
-    return torch.ops.rl_align.silu_mul_backward(grad_out, gate_up, up)
+        return OPS.silu_and_mul_backward(grad_out, gate_up)
+    return OPS.silu_mul_backward(grad_out, gate_up, up)
 
 
 # ---------------------------------------------------------------------------------------------
