@@ -24,7 +24,6 @@ both pair ratios and PASS/MISS per target (never asserts). --quick: tiny shapes 
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import torch
@@ -33,8 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ABBA_LEGEND, CsvWriter, bench_abba, bench_arg_parser, device_info, grouped_bars, measure_copy_bandwidth,
-    median_of, pyplot, save_figure, verdict,
+    ABBA_LEGEND, bench_abba, bench_arg_parser, grouped_bars, median_of, pyplot, save_figure, start_run, verdict,
 )
 
 HQ, HKV = 32, 8
@@ -125,14 +123,7 @@ def main() -> int:
         decodes = [(1, 32768), (4, 16384), (8, 8192), (16, 4096), (64, 1024), (64, 4096), (64, 16384)]
     dtype = torch.bfloat16
 
-    info = device_info(device)
-    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
-    out = CsvWriter(os.path.join(args.out, f"attention_{tag}.csv"), info)
-    copy_bw = measure_copy_bandwidth(device)
-    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
-            copy_bw / 1e12, unit="TB/s")
-    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
-          f"| copy {copy_bw / 1e12:.3f} TB/s")
+    info, out, copy_bw = start_run("attention", args)
     print(ABBA_LEGEND)
     gen = torch.Generator().manual_seed(0)
     best = {}  # (mode, key) -> (reference name, PairTiming, shape)

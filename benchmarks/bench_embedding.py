@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 
 import torch
@@ -32,8 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ABBA_LEGEND, CsvWriter, bench_abba, bench_arg_parser, device_info, measure_copy_bandwidth,
-    plot_fraction_of_limit, verdict,
+    ABBA_LEGEND, bench_abba, bench_arg_parser, plot_fraction_of_limit, start_run, verdict,
 )
 
 
@@ -67,13 +65,7 @@ def main() -> int:
     wall_iters = 20 if args.quick else 200
     dtype_name, dtype = "bf16", torch.bfloat16
 
-    info = device_info(device)
-    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
-    out = CsvWriter(os.path.join(args.out, f"embedding_{tag}.csv"), info)
-    copy_bw = measure_copy_bandwidth(device)
-    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps", copy_bw / 1e12, unit="TB/s")
-    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
-          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+    info, out, copy_bw = start_run("embedding", args)
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, hidden, generator=gen).to(device=device, dtype=dtype)

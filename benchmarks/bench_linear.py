@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ABBA_LEGEND, CsvWriter, bench_abba, bench_arg_parser, device_info, grouped_bars, measure_copy_bandwidth,
-    measure_matmul_peak, median_of, pyplot, save_figure, verdict,
+    ABBA_LEGEND, bench_abba, bench_arg_parser, grouped_bars, measure_matmul_peak, median_of, pyplot, save_figure,
+    start_run, verdict,
 )
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
@@ -109,17 +109,10 @@ def main() -> int:
     shapes = {k: known[k] for k in args.shapes.split(",")} if args.shapes else table
     rep_ms = 10 if args.quick else 100
 
-    info = device_info(device)
-    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
-    out = CsvWriter(os.path.join(args.out, f"linear_{tag}.csv"), info)
-    copy_bw = measure_copy_bandwidth(device)
     peak = measure_matmul_peak(device)
-    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
-            copy_bw / 1e12, unit="TB/s")
     peak_n = 8192 if device == "cuda" else 512  # the size measure_matmul_peak uses
+    info, out, copy_bw = start_run("linear", args, f" | torch.matmul bf16 {peak_n}^3 {peak / 1e12:.3g} TFLOP/s")
     out.add("matmul", "cublas", f"{peak_n}x{peak_n}x{peak_n}", "bf16", "peak", "TFLOPs", peak / 1e12, unit="TFLOP/s")
-    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
-          f"| copy {copy_bw / 1e12:.3f} TB/s | torch.matmul bf16 {peak_n}^3 {peak / 1e12:.3g} TFLOP/s")
 
     summary = []  # (mode, dtype, name, m, n, k, ours_us, cublas_us, ratio, frac_copy, pairs)
     gen = torch.Generator().manual_seed(0)

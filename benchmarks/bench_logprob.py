@@ -22,7 +22,6 @@ naive's, faster than Liger; T = 1..64 forward: no slower than linear + logprob.
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import torch
@@ -31,8 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ABBA_LEGEND, CsvWriter, bench_abba, bench_arg_parser, device_info, measure_copy_bandwidth,
-    plot_fraction_of_limit, verdict,
+    ABBA_LEGEND, bench_abba, bench_arg_parser, plot_fraction_of_limit, start_run, verdict,
 )
 
 VOCAB, WIDTH, TEMPERATURE = 151936, 4096, 1.0
@@ -93,17 +91,10 @@ def main() -> int:
     vocab, width = (4096, 256) if quick else (VOCAB, WIDTH)
     rep_ms = 20 if quick else 100
     wall_iters = 20 if quick else 200
-    info = device_info(device)
-    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
-    out = CsvWriter(os.path.join(args.out, f"logprob_{tag}.csv"), info)
-    copy_bw = measure_copy_bandwidth(device)
-    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
-            copy_bw / 1e12, unit="TB/s")
     liger = liger_flce() if device == "cuda" else None
     liger_lp = liger_logprob() if device == "cuda" else None
     logprob_peers = {"liger": liger_lp} if liger_lp is not None else {}
-    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
-          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s | liger {'yes' if liger else 'no'}")
+    info, out, copy_bw = start_run("logprob", args, f" | liger {'yes' if liger else 'no'}")
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     table, targets_lines = [], []

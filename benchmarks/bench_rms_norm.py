@@ -14,7 +14,6 @@ call; fwd+bwd >= 0.70 of copy bandwidth at M=16384.
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import torch
@@ -24,8 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ABBA_LEGEND, CsvWriter, bench, bench_abba, bench_arg_parser, device_info, measure_copy_bandwidth,
-    plot_fraction_of_limit,
+    ABBA_LEGEND, bench, bench_abba, bench_arg_parser, plot_fraction_of_limit, start_run,
 )
 
 EPS = 1e-6
@@ -52,13 +50,7 @@ def main() -> int:
     hiddens = [128] if args.quick else [128, 4096]
     rep_ms = 20 if args.quick else 100
 
-    info = device_info(device)
-    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
-    out = CsvWriter(os.path.join(args.out, f"rms_norm_{tag}.csv"), info)
-    copy_bw = measure_copy_bandwidth(device)
-    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps", copy_bw / 1e12, unit="TB/s")
-    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
-          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+    info, out, copy_bw = start_run("rms_norm", args)
 
     table = []
     gen = torch.Generator().manual_seed(0)

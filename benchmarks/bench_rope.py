@@ -25,7 +25,6 @@ fwd+bwd at 16384 tokens >= 0.70; tokens 1 and 64 no slower than HF per call, GPU
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import torch
@@ -34,8 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ABBA_LEGEND, CsvWriter, bench, bench_abba, bench_arg_parser, device_info, measure_copy_bandwidth,
-    plot_fraction_of_limit, verdict,
+    ABBA_LEGEND, bench, bench_abba, bench_arg_parser, plot_fraction_of_limit, start_run, verdict,
 )
 
 HEADS_Q, HEADS_KV, HEAD_DIM, THETA = 32, 8, 128, 1e6
@@ -125,15 +123,9 @@ def main() -> int:
     rep_ms = 10 if args.quick else 100
     wall_iters = 10 if args.quick else 200
 
-    info = device_info(device)
-    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
-    out = CsvWriter(os.path.join(args.out, f"rope_{tag}.csv"), info)
-    copy_bw = measure_copy_bandwidth(device)
-    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps", copy_bw / 1e12, unit="TB/s")
     ref_name, ref_apply, ref_cos_sin = hf_reference()
     liger = liger_reference()
-    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
-          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s | reference {ref_name} | liger {'yes' if liger else 'no'}")
+    info, out, copy_bw = start_run("rope", args, f" | reference {ref_name} | liger {'yes' if liger else 'no'}")
     inv_freq = rl_engine_ext.rope_inv_freq(HEAD_DIM, THETA, device)
 
     table, targets = [], []

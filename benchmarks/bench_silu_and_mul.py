@@ -22,7 +22,6 @@ no slower than torch per call, in GPU time and in back-to-back wall time.
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import torch
@@ -32,8 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ABBA_LEGEND, CsvWriter, bench, bench_abba, bench_arg_parser, device_info, measure_copy_bandwidth,
-    plot_fraction_of_limit, verdict,
+    ABBA_LEGEND, bench, bench_abba, bench_arg_parser, plot_fraction_of_limit, start_run, verdict,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -92,14 +90,7 @@ def main() -> int:
     liger = liger_silu_mul() if device == "cuda" else None
     references = {"torch": torch_silu_mul, **({"liger": liger} if liger is not None else {})}
 
-    info = device_info(device)
-    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
-    out = CsvWriter(os.path.join(args.out, f"silu_and_mul_{tag}.csv"), info)
-    copy_bw = measure_copy_bandwidth(device)
-    out.add("copy", "copy", "1GiB" if device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
-            copy_bw / 1e12, unit="TB/s")
-    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
-          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s | liger {'yes' if liger else 'not installed'}")
+    info, out, copy_bw = start_run("silu_and_mul", args, f" | liger {'yes' if liger else 'not installed'}")
 
     table = []  # (shape, dtype, mode, reference, ours us, ref us, ratio, pairs, frac, wall ratio or None)
     gen = torch.Generator().manual_seed(0)

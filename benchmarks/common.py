@@ -13,6 +13,7 @@ import csv
 import dataclasses
 import os
 import platform
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -202,6 +203,23 @@ class CsvWriter:
             writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
             writer.writeheader()
             writer.writerows(self.rows)
+
+
+def start_run(name: str, args: argparse.Namespace, facts: str = "") -> tuple[dict[str, str], CsvWriter, float]:
+    """What every benchmark starts with: the device facts, the CSV writer (<out>/<name>_<tag>.csv,
+    tag = --tag or the device's name), the copy bandwidth measured now (recorded as a row), and
+    the header line (with `facts` appended)."""
+    import rl_engine_ext
+
+    info = device_info(args.device)
+    tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
+    out = CsvWriter(os.path.join(args.out, f"{name}_{tag}.csv"), info)
+    copy_bw = measure_copy_bandwidth(args.device)
+    out.add("copy", "copy", "1GiB" if args.device == "cuda" else "64MiB", "uint8", "copy", "copy_bandwidth_TBps",
+            copy_bw / 1e12, unit="TB/s")
+    print(f"# {info['gpu']} | torch {info['torch']} | CUDA {info['cuda']} | native {rl_engine_ext.NATIVE_AVAILABLE} "
+          f"| copy bandwidth {copy_bw / 1e12:.3f} TB/s{facts}")
+    return info, out, copy_bw
 
 
 def bench_arg_parser(doc: str) -> argparse.ArgumentParser:
