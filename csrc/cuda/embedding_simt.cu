@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../primitives/pack.h"
 #include "device_assert.cuh"
 
 namespace rl_align {
@@ -74,9 +75,7 @@ constexpr int kBwdTokenUnroll = 4;   // tokens whose loads are in flight togethe
 constexpr int kBwdMinBlocks = 4;     // per SM (<= 64 registers): 32 warps keep stores and loads flowing
 
 template <typename T>
-struct alignas(16) Cols {
-  T v[kBwdCols];
-};
+using Cols = Pack<T, kBwdCols>;
 
 // Columns col .. col + kBwdCols - 1 of a row: one vector access with VECTOR_IO (row 16-byte
 // aligned, hidden a multiple of kBwdCols), else element by element (missing columns read as 0 and

@@ -13,6 +13,7 @@
 // range of groups of the row, blockIdx.y the rows (grid-striding). No reductions, no atomics.
 #include "logprob_kernels.h"
 
+#include "../primitives/pack.h"
 #include "device_assert.cuh"
 
 namespace rl_align {
@@ -24,17 +25,12 @@ constexpr int kBwdThreads = 256;
 constexpr int kBwdGroupsPerThread = 4;
 constexpr int64_t kMaxGrid = 65535;
 
-template <typename T, int VEC>
-struct alignas(16) Group {
-  T v[VEC];
-};
-
 // Elements of group `col` (its first column) as fp32 scaled logits; outside [0, vocab): -inf.
 template <typename T, int VEC, bool VECTOR_IO>
 __device__ __forceinline__ void load_scaled(const T* __restrict__ row, int64_t col, int64_t vocab,
                                             float inv_t, float* z) {
   if constexpr (VECTOR_IO) {
-    Group<T, VEC> g;
+    Pack<T, VEC> g;
     if (col < vocab) {
       *reinterpret_cast<uint4*>(&g) = __ldg(reinterpret_cast<const uint4*>(row + col));
     }
@@ -121,7 +117,7 @@ __global__ void __launch_bounds__(kBwdThreads) logprob_bwd_kernel(LogprobOperand
     for (int k = 0; k < kBwdGroupsPerThread; ++k) {
       const int64_t col = (first_group + static_cast<int64_t>(k) * kBwdThreads + threadIdx.x) * VEC;
       if (col >= a.vocab) break;
-      Group<T, VEC> in, out;
+      Pack<T, VEC> in, out;
       if constexpr (VECTOR_IO) {
         *reinterpret_cast<uint4*>(&in) = __ldg(reinterpret_cast<const uint4*>(x + col));
       } else {

@@ -12,6 +12,7 @@
 
 #include "rms_norm_kernels.h"
 #include "../common/host_device.h"
+#include "../primitives/pack.h"
 
 #include <atomic>
 
@@ -19,11 +20,6 @@ namespace rl_align {
 namespace {
 
 constexpr int kMaxWarpsPerBlock = 1024 / kWarpSize;
-
-template <typename T, int VEC>
-struct alignas(16) Pack {
-  T v[VEC];
-};
 
 // Loads the 16-byte vector `vec_index` of a row. VECTOR_IO (rows 16-byte aligned, hidden a
 // multiple of VEC) reads it in one instruction; otherwise it is read element by element into the

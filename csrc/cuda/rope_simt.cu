@@ -13,6 +13,8 @@
 // paths put the same values in the same slots.
 #include "rope_kernels.h"
 
+#include "../primitives/pack.h"
+
 namespace rl_align {
 namespace {
 
@@ -24,11 +26,6 @@ constexpr int kMinBlocksPerSm = 2;
 // Threads per SM the head-group split aims for when tokens are few: four waves of the 512
 // resident threads, so that each thread has few heads (few dependent load rounds).
 constexpr int64_t kTargetThreadsPerSm = 2048;
-
-template <typename T, int V>
-struct alignas(16) Pack {
-  T v[V];
-};
 
 // The part of a row a chunk reads: `V` elements from `off`, those below `end` valid (all of them
 // on the vector path, where the host has checked that whole vectors fit).

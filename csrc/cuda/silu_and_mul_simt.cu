@@ -13,20 +13,17 @@
 // 16-byte accesses per SM keep the loads in flight; no shared memory, no synchronisation.
 #include "silu_and_mul_kernels.h"
 
+#include "../primitives/pack.h"
+
 namespace rl_align {
 namespace {
 
 constexpr int kBlockThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 
-template <typename T, int VEC>
-struct alignas(16) Group {
-  T v[VEC];
-};
-
 template <typename T, int VEC, bool VECTOR_IO>
-__device__ __forceinline__ Group<T, VEC> load_group(const T* __restrict__ row, int64_t col, int64_t cols) {
-  Group<T, VEC> p;
+__device__ __forceinline__ Pack<T, VEC> load_group(const T* __restrict__ row, int64_t col, int64_t cols) {
+  Pack<T, VEC> p;
   if constexpr (VECTOR_IO) {
     *reinterpret_cast<uint4*>(&p) = __ldg(reinterpret_cast<const uint4*>(row + col));
   } else {
@@ -38,10 +35,10 @@ __device__ __forceinline__ Group<T, VEC> load_group(const T* __restrict__ row, i
 
 template <typename T, int VEC, bool VECTOR_IO>
 __device__ __forceinline__ void store_group(T* __restrict__ row, int64_t col, int64_t cols,
-                                            const Group<T, VEC>& p) {
+                                            const Pack<T, VEC>& p) {
   if constexpr (VECTOR_IO) {
     uint4 raw;
-    *reinterpret_cast<Group<T, VEC>*>(&raw) = p;
+    *reinterpret_cast<Pack<T, VEC>*>(&raw) = p;
 #if RL_ALIGN_HIP
     *reinterpret_cast<uint4*>(row + col) = raw;
 #else
@@ -100,15 +97,15 @@ __global__ void __launch_bounds__(kBlockThreads)
     return load_group<T, VEC, VECTOR_IO>(static_cast<const T*>(base) + row * stride, col, a.cols);
   };
   const auto store = [&](void* base, int64_t stride, int64_t row, int64_t col,
-                         const Group<T, VEC>& p) {
+                         const Pack<T, VEC>& p) {
     store_group<T, VEC, VECTOR_IO>(static_cast<T*>(base) + row * stride, col, a.cols, p);
   };
   for_each_group<VEC>(a.rows, a.cols, threads_per_row, [&](int64_t row, int64_t col) {
-    const Group<T, VEC> g = load(a.gate, a.gate_stride, row, col);
-    const Group<T, VEC> u = load(a.up, a.up_stride, row, col);
+    const Pack<T, VEC> g = load(a.gate, a.gate_stride, row, col);
+    const Pack<T, VEC> u = load(a.up, a.up_stride, row, col);
     if constexpr (BACKWARD) {
-      const Group<T, VEC> dy = load(a.grad_out, a.grad_out_stride, row, col);
-      Group<T, VEC> dg, du;
+      const Pack<T, VEC> dy = load(a.grad_out, a.grad_out_stride, row, col);
+      Pack<T, VEC> dg, du;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const SiluMulGrads d = silu_mul_backward(Convert<T>::to_float(dy.v[j]),
@@ -120,7 +117,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       store(a.out, a.out_stride, row, col, dg);
       store(a.dup, a.dup_stride, row, col, du);
     } else {
-      Group<T, VEC> y;
+      Pack<T, VEC> y;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         y.v[j] = Convert<T>::from_float(
