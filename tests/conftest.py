@@ -2,6 +2,8 @@
 
 import contextlib
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -82,6 +84,19 @@ def device(request) -> str:
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request) -> torch.dtype:
     return request.param
+
+
+def assert_device_assert(setup: str, call: str, message: str) -> None:
+    """Runs `setup` (Python lines, torch and rl_engine_ext imported) and `call` on CUDA in a
+    subprocess (a device-side assert loses the CUDA context for the rest of the process) and
+    checks that it failed with a device-side assert that printed `message`."""
+    script = f"import torch, rl_engine_ext\n{setup}out = {call}\ntorch.cuda.synchronize()\n"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert message in output, output
+    assert "device-side assert" in output, output
 
 
 def make_generator(seed: int) -> torch.Generator:

@@ -6,9 +6,6 @@ bad input: tests/test_registry.py."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,9 +14,8 @@ import rl_engine_ext
 from rl_engine_ext import contract, testing
 from rl_engine_ext.ops import logprob as lp_mod
 
-from conftest import randn
+from conftest import assert_device_assert, randn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IGNORE = -100
 # 1, 7, 1001: element path (V not a multiple of any 16-byte group); 4096, 32000: vector path;
 # 8192 + 5: more than one GPU step (kFwdLoads * kFwdThreads * VEC elements) plus a tail.
@@ -240,16 +236,7 @@ def test_out_of_range_targets_assert_on_cuda(op):
     afterwards, so it runs in a subprocess)."""
     call = ("rl_engine_ext.logprob(x, t)" if op == "logprob"
             else "rl_engine_ext.logprob_backward(z, None, x, t, z, z)")
-    script = (
-        "import torch, rl_engine_ext\n"
-        "x = torch.randn(3, 16, device='cuda', dtype=torch.bfloat16)\n"
-        "t = torch.tensor([1, 99, 2], device='cuda')\n"
-        "z = torch.zeros(3, device='cuda')\n"
-        f"out = {call}\n"
-        "torch.cuda.synchronize()\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode != 0, output
-    assert f"rl_align::{op}: target 99 out of range for a vocabulary of 16" in output, output
-    assert "device-side assert" in output, output
+    setup = ("x = torch.randn(3, 16, device='cuda', dtype=torch.bfloat16)\n"
+             "t = torch.tensor([1, 99, 2], device='cuda')\n"
+             "z = torch.zeros(3, device='cuda')\n")
+    assert_device_assert(setup, call, f"rl_align::{op}: target 99 out of range for a vocabulary of 16")
