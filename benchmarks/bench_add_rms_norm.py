@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
+from benchmarks.bench_rms_norm import liger_rms_norm  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     ABBA_LEGEND, bench_abba, bench_arg_parser, plot_fraction_of_limit, start_run, verdict,
 )
@@ -44,18 +45,6 @@ def hf_norm(h: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
     return (hf * (1.0 + w.float() if mode == "gemma" else w.float())).to(h.dtype)
 
 
-def liger_norm(hidden: int, w: torch.Tensor):
-    """LigerRMSNorm (casting_mode "llama") holding w, or None without liger_kernel."""
-    try:
-        from liger_kernel.transformers.rms_norm import LigerRMSNorm
-    except ImportError:
-        return None
-    mod = LigerRMSNorm(hidden, eps=EPS, casting_mode="llama").to(device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        mod.weight.copy_(w)
-    return lambda h, weight: mod(h)
-
-
 def add_providers(hidden: int, w: torch.Tensor) -> dict[str, object]:
     """name -> f(x, residual, weight) -> (y, new_residual); ours first."""
     def composed(norm):
@@ -69,7 +58,7 @@ def add_providers(hidden: int, w: torch.Tensor) -> dict[str, object]:
         "hf": composed(lambda h, weight: hf_norm(h, weight, "llama")),
         "F.rms_norm": composed(lambda h, weight: F.rms_norm(h, (h.shape[-1],), weight, EPS)),
     }
-    liger = liger_norm(hidden, w)
+    liger = liger_rms_norm(hidden, w)
     if liger is not None:
         out["liger"] = composed(liger)
     return out
@@ -130,9 +119,7 @@ def main() -> int:
     # The fwd+bwd kernels alone, the two ops called directly, against our own autograd step: the
     # same bytes without the autograd engine's host time (~150 us per step, which the GPU time of
     # one step at 16384 rows does not always hide).
-    big_rows = row_counts[-1]
-    x, r, dy, dres = (torch.randn(big_rows, hidden, generator=gen).to(device=device, dtype=DTYPE) for _ in range(4))
-    w = (torch.randn(hidden, generator=gen) * 0.1 + 1).to(device=device, dtype=DTYPE)
+    big_rows = row_counts[-1]  # x, r, w, dy, dres: the last (largest) row count's, from the loop above
     xg, rg, wg = (t.clone().requires_grad_() for t in (x, r, w))
     new_res = rl_engine_ext.add_rms_norm(x, r, w, EPS)[1]
 
