@@ -132,9 +132,25 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
+// dx (contiguous rows of `in`, allocated) = grad_out @ weight, over m > 0 rows with out > 0 and
+// in > 0. linear_logprob writes each chunk's rows of its grad_hidden this way, without a copy.
+template <typename Backend>
+void linear_grad_input_into(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& dx) {
+  constexpr const char* op = "linear_grad_input";
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const bool aligned = Backend::needs_aligned_operands(op, grad_out.scalar_type(), grad_out);
+  const Operand a = gemm_operand(grad_out, aligned);
+  const Operand b = gemm_operand(weight, aligned);
+  GemmProblem p;
+  p.m = grad_out.numel() / n; p.n = k; p.k = n;
+  p.a = a.rows.const_data_ptr(); p.lda = a.ld;
+  p.b = b.rows.const_data_ptr(); p.ldb = b.ld; p.b_mn_major = true;
+  p.c = dx.mutable_data_ptr(); p.ldc = k;
+  Backend::run(op, grad_out.scalar_type(), p, grad_out);
+}
+
 template <typename Backend>
 at::Tensor linear_grad_input_impl(const at::Tensor& grad_out, const at::Tensor& weight) {
-  constexpr const char* op = "linear_grad_input";
   check_grad_input_args(grad_out, weight);
   const int64_t n = weight.size(0), k = weight.size(1);
   std::vector<int64_t> out_shape(grad_out.sizes().begin(), grad_out.sizes().end());
@@ -143,15 +159,7 @@ at::Tensor linear_grad_input_impl(const at::Tensor& grad_out, const at::Tensor& 
   const int64_t m = n == 0 ? dx.numel() / std::max<int64_t>(k, 1) : grad_out.numel() / n;
   if (m == 0 || k == 0) return dx;
   if (n == 0) return dx.zero_();
-  const bool aligned = Backend::needs_aligned_operands(op, grad_out.scalar_type(), grad_out);
-  const Operand a = gemm_operand(grad_out, aligned);
-  const Operand b = gemm_operand(weight, aligned);
-  GemmProblem p;
-  p.m = m; p.n = k; p.k = n;
-  p.a = a.rows.const_data_ptr(); p.lda = a.ld;
-  p.b = b.rows.const_data_ptr(); p.ldb = b.ld; p.b_mn_major = true;
-  p.c = dx.mutable_data_ptr(); p.ldc = k;
-  Backend::run(op, grad_out.scalar_type(), p, grad_out);
+  linear_grad_input_into<Backend>(grad_out, weight, dx);
   return dx;
 }
 

@@ -46,8 +46,7 @@ inline int64_t logprob_chunk_tokens(int64_t vocab) {
 
 // Calls f(start, n) for each chunk of rows [start, start + n) of `tokens`.
 template <typename F>
-void for_each_logprob_chunk(int64_t tokens, int64_t vocab, F&& f) {
-  const int64_t chunk = logprob_chunk_tokens(vocab);
+void for_each_logprob_chunk(int64_t tokens, int64_t chunk, F&& f) {
   for (int64_t start = 0; start < tokens; start += chunk) f(start, std::min(chunk, tokens - start));
 }
 
@@ -61,7 +60,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_impl(
   const int64_t tokens = targets.numel();
   const at::Tensor h = hidden.reshape({tokens, hidden.size(-1)});
   const at::Tensor t = targets.reshape({tokens});
-  if (tokens > 0 && tokens <= logprob_chunk_tokens(weight.size(0))) {  // one chunk (decode): no copies
+  const int64_t chunk_tokens = logprob_chunk_tokens(weight.size(0));
+  if (tokens > 0 && tokens <= chunk_tokens) {  // one chunk (decode): no copies
     const auto [logprob, entropy, lse] =
         logprob_op.call(linear_impl<LinearBackend>(h, weight, bias), t, temperature, ignore_index);
     return {logprob.view(targets.sizes()), entropy.view(targets.sizes()), lse.view(targets.sizes())};
@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_impl(
   at::Tensor logprob = stat(), entropy = stat(), lse = stat();
   if (tokens == 0) return {logprob, entropy, lse};
   const at::Tensor outs[3] = {logprob.view({tokens}), entropy.view({tokens}), lse.view({tokens})};
-  for_each_logprob_chunk(tokens, weight.size(0), [&](int64_t start, int64_t n) {
+  for_each_logprob_chunk(tokens, chunk_tokens, [&](int64_t start, int64_t n) {
     const at::Tensor logits = linear_impl<LinearBackend>(h.narrow(0, start, n), weight, bias);
     const auto chunk = logprob_op.call(logits, t.narrow(0, start, n), temperature, ignore_index);
     outs[0].narrow(0, start, n).copy_(std::get<0>(chunk));
@@ -122,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_impl(
   // themselves (every path reads an element's sum before writing it).
   const float* dw_start = weight_start.defined() ? weight_start.const_data_ptr<float>() : nullptr;
   const float* db_start = bias_start.defined() ? bias_start.const_data_ptr<float>() : nullptr;
-  for_each_logprob_chunk(tokens, vocab, [&](int64_t start, int64_t n) {
+  for_each_logprob_chunk(tokens, logprob_chunk_tokens(vocab), [&](int64_t start, int64_t n) {
     const at::Tensor h_chunk = h.narrow(0, start, n);
     const at::Tensor logits = linear_impl<LinearBackend>(h_chunk, weight, bias);
     const auto chunk_of = [&](const at::Tensor& rows) { return rows.narrow(0, start, n); };
@@ -130,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_impl(
         chunk_of(g), gh.has_value() ? std::optional<at::Tensor>(chunk_of(*gh)) : std::nullopt,
         logits, chunk_of(t), chunk_of(ent), chunk_of(lse_rows), temperature, ignore_index);
     if (width > 0) {
-      grad_hidden_rows.narrow(0, start, n).copy_(linear_grad_input_impl<LinearBackend>(grad_logits, weight));
+      linear_grad_input_into<LinearBackend>(grad_logits, weight, grad_hidden_rows.narrow(0, start, n));
       linear_grad_weight_into<LinearBackend>(grad_logits, h_chunk, start == 0 ? dw_start : grad_weight.const_data_ptr<float>(),
                                              grad_weight);
     }
