@@ -8,7 +8,10 @@ GPU time and back-to-back wall time alike:
   * F.rms_norm: ``h = x + residual`` then ``F.rms_norm`` (PyTorch's fused norm);
   * liger: ``h = x + residual`` then Liger-Kernel's LigerRMSNorm (casting_mode "llama"), when
     liger_kernel is importable.
-fwd+bwd backpropagates y and new_residual (the residual stream goes on to the next layer).
+fwd+bwd backpropagates y and new_residual (the residual stream goes on to the next layer) with
+``torch.autograd.grad``, which returns the gradients of x, residual and weight: in a model x and
+residual are activations whose gradient flows on, and a leaf's ``.grad`` would add a copy (the
+gradient of x and of residual is one tensor, which AccumulateGrad clones for the second leaf).
 rms_norm per mode (fp32 / llama / gemma) forward against the same mode's HF formula in torch ops.
 Bytes moved (the minimum): add_rms_norm fwd = read x, residual + write y, new_residual (+ w);
 fwd+bwd adds read dy, d_new_residual, new_residual + write dx (+ w, dw). frac_of_copy = bytes /
@@ -97,8 +100,7 @@ def main() -> int:
                     xg, rg, wg = (t.clone().requires_grad_() for t in (x, r, w))
 
                     def fn(op=op, xg=xg, rg=rg, wg=wg):
-                        xg.grad = rg.grad = wg.grad = None
-                        torch.autograd.backward(op(xg, rg, wg), (dy, dres))
+                        torch.autograd.grad(op(xg, rg, wg), (xg, rg, wg), (dy, dres))
 
                     fns[name] = fn
 
@@ -117,15 +119,13 @@ def main() -> int:
                               pair.wall.ours.median_us, pair.wall.ratio))
 
     # The fwd+bwd kernels alone, the two ops called directly, against our own autograd step: the
-    # same bytes without the autograd engine's host time (~150 us per step, which the GPU time of
-    # one step at 16384 rows does not always hide).
+    # same kernels without the autograd engine, to tell kernel time from autograd's.
     big_rows = row_counts[-1]  # x, r, w, dy, dres: the last (largest) row count's, from the loop above
     xg, rg, wg = (t.clone().requires_grad_() for t in (x, r, w))
     new_res = rl_engine_ext.add_rms_norm(x, r, w, EPS)[1]
 
     def autograd_step():
-        xg.grad = rg.grad = wg.grad = None
-        torch.autograd.backward(rl_engine_ext.add_rms_norm(xg, rg, wg, EPS), (dy, dres))
+        torch.autograd.grad(rl_engine_ext.add_rms_norm(xg, rg, wg, EPS), (xg, rg, wg), (dy, dres))
 
     direct = bench_abba(lambda: (rl_engine_ext.add_rms_norm(x, r, w, EPS),
                                  rl_engine_ext.add_rms_norm_backward(dy, dres, new_res, w, EPS)),

@@ -144,6 +144,28 @@ def test_accuracy_against_fp32_log_softmax(device, dtype, temperature):
     torch.testing.assert_close(lp, ref[0], atol=1e-5, rtol=0)
 
 
+def test_accuracy_where_exp_rounding_adds_up(device):
+    """Axis-B at V = 151936 on rows that make logprob_exp's argument rounding (relative |d| 2^-24
+    per term) add up instead of averaging out: every logit but a few equal, at d = z - m where
+    exp(d) still carries weight (so all V terms share one rounding error), large logits, a low
+    temperature. fp32 log-prob and entropy stay within the contract's atol of float64."""
+    vocab = 151936
+    rows = []
+    for gap in (0.0, 2.0, math.log(vocab) - 1.0, math.log(vocab), math.log(vocab) + 2.0, 20.0):
+        row = torch.full((vocab,), 30.0 - gap)
+        row[::9973] = 30.0  # a few maxima
+        rows.append(row)
+    rows.append(torch.linspace(-40.0, 40.0, vocab))
+    logits = torch.stack(rows).to(device)
+    targets = torch.tensor([0, 1, 7, 9973, 2, 5, vocab - 1], device=device)
+    tol = contract.tolerance("logprob", torch.float32)
+    for temperature in (1.0, 0.37):
+        lp, ent = rl_engine_ext.logprob(logits, targets, temperature, return_entropy=True)
+        want_lp, want_ent = lp_mod.reference_forward_fp32(logits, targets, temperature)
+        torch.testing.assert_close(lp, want_lp, atol=tol.atol, rtol=tol.rtol)
+        torch.testing.assert_close(ent, want_ent, atol=tol.atol, rtol=1e-6)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_gradient_against_fp32_autograd(device, dtype, temperature):
     """d logits of g * logprob + gh * entropy vs autograd through fp32 log_softmax."""

@@ -9,11 +9,11 @@
 // (u is taken relative to the running max, so the entropy does not cancel when the logits are
 // large). The sum over V is taken in a fixed order that depends only on V and the kernel's fixed
 // partition: each worker (a GPU thread, the CPU's one loop) folds its elements into a
-// LogprobState in index order with logprob_push, and the states are merged with logprob_merge in
-// a fixed tree. Every step below is one explicit IEEE fp32 operation (mul_rn, add_rn, fmaf), so
-// no compiler contracts two of them differently on two paths; exp and log are the full-accuracy
-// expf / logf (CPU glibc and GPU CUDA may differ in the last bit, so CPU and GPU results may
-// differ by an ulp; each is bitwise identical to itself whatever the batch).
+// LogprobState group by group in index order with logprob_push (a group summed on its own, then
+// merged), and the states are merged with logprob_merge in a fixed tree. Every step below is one explicit IEEE fp32 operation (mul_rn, add_rn, fmaf), so
+// no compiler contracts two of them differently on two paths; exp is logprob_exp (below) and log
+// the full-accuracy logf (CPU and GPU may differ in their last bits; each is bitwise identical to
+// itself whatever the batch).
 //
 // Non-finite logits: z = -inf (a masked token) contributes nothing (p = 0, and its p * z term is
 // taken as 0, its limit); a row of only -inf gives s = 0, hence lse = -inf and logprob NaN (as
@@ -68,6 +68,27 @@ RL_ALIGN_HOST_DEVICE int64_t logprob_target(const LogprobOperands& a, int64_t r)
                          : static_cast<int64_t>(static_cast<const int32_t*>(a.targets)[r]);
 }
 
+// exp(d) for the d = z - m <= 0 of the fold and the d = z - lse of the gradient, as 2^(d log2 e):
+// one rounded multiply, then the hardware's exp2 on the GPU (CUDA ex2.approx.ftz: relative error
+// about 2^-22, results below 2^-126 flushed to 0) and exp2f on the CPU and on HIP. The multiply's
+// rounding moves the result by a relative |d| * 2^-24 at most, so the error of a term grows with
+// |d| while its weight exp(d) in every sum (s, u, p) shrinks; against float64 the sums stay within
+// about 1e-6 relative (tests/test_logprob.py, Axis-B). The full-accuracy expf spends ~8
+// instructions per element where this spends 2, and the forward reads 2 bytes per element:
+// expf made it instruction-bound (0.60 of the read limit on the H100).
+constexpr float kLog2e = 1.4426950408889634f;
+
+RL_ALIGN_HOST_DEVICE float logprob_exp(float d) {
+  const float x = mul_rn(d, kLog2e);
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
 struct LogprobState {
   float m, s, u;
 };
@@ -78,25 +99,9 @@ RL_ALIGN_HOST_DEVICE LogprobState logprob_empty_state() { return {-INFINITY, 0.f
 RL_ALIGN_HOST_DEVICE LogprobState logprob_rebase(LogprobState st, float m_new) {
   if (st.m == -INFINITY || st.m == m_new) return {m_new, st.s, st.u};
   const float d = add_rn(st.m, -m_new);
-  const float scale = expf(d);
+  const float scale = logprob_exp(d);
   // u' = (u + s * d) * scale: the old terms' (z - m) grow by d.
   return {m_new, mul_rn(st.s, scale), mul_rn(fmaf(st.s, d, st.u), scale)};
-}
-
-// Folds a group of n elements (already scaled by 1 / temperature) into the state: one rebase to
-// the group's max, then the elements in index order.
-RL_ALIGN_HOST_DEVICE LogprobState logprob_push(LogprobState st, const float* z, int n) {
-  float m = st.m;
-  for (int j = 0; j < n; ++j) m = fmaxf(m, z[j]);
-  st = logprob_rebase(st, m);
-  for (int j = 0; j < n; ++j) {
-    if (z[j] == -INFINITY) continue;  // p = 0, and p * (z - m) -> 0
-    const float d = add_rn(z[j], -st.m);
-    const float e = expf(d);
-    st.s = add_rn(st.s, e);
-    st.u = fmaf(e, d, st.u);
-  }
-  return st;
 }
 
 // Merges two states (bitwise symmetric in a and b: each side is rebased, then one addition).
@@ -105,6 +110,24 @@ RL_ALIGN_HOST_DEVICE LogprobState logprob_merge(LogprobState a, LogprobState b) 
   a = logprob_rebase(a, m);
   b = logprob_rebase(b, m);
   return {m, add_rn(a.s, b.s), add_rn(a.u, b.u)};
+}
+
+// Folds a group of n elements (already scaled by 1 / temperature) into the state: the group is
+// summed on its own, from zero relative to its own max, in index order, then merged. A running sum
+// thus takes one addition per group, not per element: added one at a time, a long run of terms
+// near the running sum's last bit would each be rounded the same way (an fp32 error of up to
+// ~1e-4 on a row of 151936 logits, seen on the CPU), where a group partial is 16-32 terms.
+RL_ALIGN_HOST_DEVICE LogprobState logprob_push(LogprobState st, const float* z, int n) {
+  LogprobState group = logprob_empty_state();
+  for (int j = 0; j < n; ++j) group.m = fmaxf(group.m, z[j]);
+  for (int j = 0; j < n; ++j) {
+    if (z[j] == -INFINITY) continue;  // p = 0, and p * (z - m) -> 0
+    const float d = add_rn(z[j], -group.m);
+    const float e = logprob_exp(d);
+    group.s = add_rn(group.s, e);
+    group.u = fmaf(e, d, group.u);
+  }
+  return logprob_merge(st, group);
 }
 
 struct LogprobRow {
@@ -125,7 +148,7 @@ RL_ALIGN_HOST_DEVICE LogprobRow logprob_finish(LogprobState st, float z_target) 
 RL_ALIGN_HOST_DEVICE float logprob_grad(float x, bool onehot, float inv_t, float lse, float g,
                                         bool has_gh, float gh, float ez) {
   const float z = mul_rn(x, inv_t);
-  const float p = expf(add_rn(z, -lse));
+  const float p = logprob_exp(add_rn(z, -lse));
   float dz = mul_rn(g, add_rn(onehot ? 1.f : 0.f, -p));
   if (has_gh && p != 0.f) dz = fmaf(mul_rn(gh, p), add_rn(ez, -z), dz);
   return mul_rn(dz, inv_t);

@@ -14,7 +14,7 @@
 namespace rl_align {
 namespace {
 
-constexpr int kCpuGroup = 16;
+constexpr int kCpuGroup = 32;
 constexpr int kCpuSegments = 64;
 
 int64_t grain_rows(int64_t vocab) { return vocab >= 32768 ? 1 : 32768 / (vocab > 0 ? vocab : 1); }
