@@ -100,7 +100,8 @@ def main() -> int:
                     xg, rg, wg = (t.clone().requires_grad_() for t in (x, r, w))
 
                     def fn(op=op, xg=xg, rg=rg, wg=wg):
-                        torch.autograd.grad(op(xg, rg, wg), (xg, rg, wg), (dy, dres))
+                        # allow_unused: LigerRMSNorm uses its own weight parameter (a copy of w)
+                        torch.autograd.grad(op(xg, rg, wg), (xg, rg, wg), (dy, dres), allow_unused=True)
 
                     fns[name] = fn
 
