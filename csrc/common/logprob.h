@@ -10,10 +10,10 @@
 // large). The sum over V is taken in a fixed order that depends only on V and the kernel's fixed
 // partition: each worker (a GPU thread, the CPU's one loop) folds its elements into a
 // LogprobState group by group in index order with logprob_push (a group summed on its own, then
-// merged), and the states are merged with logprob_merge in a fixed tree. Every step below is one explicit IEEE fp32 operation (mul_rn, add_rn, fmaf), so
-// no compiler contracts two of them differently on two paths; exp is logprob_exp (below) and log
-// the full-accuracy logf (CPU and GPU may differ in their last bits; each is bitwise identical to
-// itself whatever the batch).
+// merged), and the states are merged with logprob_merge in a fixed tree. Every step below is one
+// explicit IEEE fp32 operation (mul_rn, add_rn, fmaf), so no compiler contracts two of them
+// differently on two paths; exp is logprob_exp (below) and log the full-accuracy logf (CPU and GPU
+// may differ in their last bits; each is bitwise identical to itself whatever the batch).
 //
 // Non-finite logits: z = -inf (a masked token) contributes nothing (p = 0, and its p * z term is
 // taken as 0, its limit); a row of only -inf gives s = 0, hence lse = -inf and logprob NaN (as

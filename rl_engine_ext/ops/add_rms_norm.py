@@ -81,7 +81,7 @@ def _backward(ctx, grad_y, grad_residual):
         return grad_residual, grad_residual, None, None, None
     new_residual, weight = ctx.saved_tensors
     grad_input, grad_weight = OPS.add_rms_norm_backward(
-                                                        grad_y.contiguous(), grad_residual, new_residual, weight, ctx.eps, None, ctx.mode)
+        grad_y.contiguous(), grad_residual, new_residual, weight, ctx.eps, None, ctx.mode)
     return (grad_input if ctx.needs_input_grad[0] else None, grad_input if ctx.needs_input_grad[1] else None,
             grad_weight.to(weight.dtype) if ctx.needs_input_grad[2] else None, None, None)
 

@@ -169,8 +169,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
     hidden, weight, targets, entropy, lse, bias = ctx.saved_tensors
     grad_hidden, grad_weight, grad_bias = OPS.linear_logprob_backward(
-                                                                      grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse, ctx.temperature, ctx.ignore_index,
-                                                                      None, None)
+        grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse, ctx.temperature, ctx.ignore_index,
+        None, None)
     return (grad_hidden if ctx.needs_input_grad[0] else None,
             grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
             None,

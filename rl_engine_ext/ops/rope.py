@@ -161,7 +161,9 @@ def reference_forward_fp32(q, k, positions, inv_freq, style="neox", layout="bhsd
 def _output_like(t: torch.Tensor) -> torch.Tensor:
     """The output layout rule (C++: rope_output_like in csrc/host/rope.h)."""
     out = torch.empty_like(t)
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device) if out.dim() and out.shape[-1] > 1 and out.stride(-1) != 1 else out
+    if out.dim() and out.shape[-1] > 1 and out.stride(-1) != 1:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return out
 
 
 def _empty(q, k, *args):
