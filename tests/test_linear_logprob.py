@@ -17,6 +17,8 @@ from conftest import randn
 IGNORE = -100
 TILE = rl_engine_ext.LINEAR_GRAD_TILE_TOKENS
 CHUNK_ENV = llp_mod.CHUNK_TOKENS_ENV
+SLICE_ENV = llp_mod.SLICE_COLUMNS_ENV
+SLICE = llp_mod.SLICE_COLUMNS
 
 
 def _problem(tokens, vocab, width, dtype, device, seed=0, ignored_every=5):
@@ -46,13 +48,15 @@ def _run(fused, hidden, weight, bias, targets, temperature, use_entropy, cot):
 SHAPES = [(1, 37, 24), (3, 1000, 64), (200, 1000, 64), (130, 4099, 33)]
 
 
-@pytest.mark.parametrize("chunk", [None, TILE, 2 * TILE])
+@pytest.mark.parametrize("chunk,columns", [(None, None), (TILE, SLICE), (2 * TILE, 3 * SLICE)])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fused_equals_unfused_bitwise(device, dtype, shape, chunk, monkeypatch):
-    """Every output and gradient is the unfused pair's, bit for bit, whatever the chunk size,
-    with and without bias, entropy term and temperature."""
+def test_fused_equals_unfused_bitwise(device, dtype, shape, chunk, columns, monkeypatch):
+    """Every output and gradient is the unfused pair's, bit for bit, whatever the forward's chunk
+    size and the backward's vocabulary slice width (one slice, several, a last partial one whose
+    rows are not 16-byte aligned), with and without bias, entropy term and temperature."""
     if chunk is not None:
         monkeypatch.setenv(CHUNK_ENV, str(chunk))
+        monkeypatch.setenv(SLICE_ENV, str(columns))
     tokens, vocab, width = shape
     hidden, weight, bias, targets = _problem(tokens, vocab, width, dtype, device, seed=tokens + vocab)
     cot = (randn(tokens, dtype=torch.float32, device=device, seed=1),
@@ -64,6 +68,27 @@ def test_fused_equals_unfused_bitwise(device, dtype, shape, chunk, monkeypatch):
             assert (x is None and y is None) or torch.equal(x, y), name
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["sm90", "sm80", "simt"])
+@pytest.mark.parametrize("tokens", [40, 200], ids=["decode-tiles", "large-tiles"])
+def test_vocabulary_slices_on_every_gemm_path(path, tokens, monkeypatch):
+    """On each GPU GEMM family: d hidden continued through vocabulary slices from an fp32
+    accumulator, and the weight gradient written in bf16 by its GEMM (autograd), are the unfused
+    pair's bits (the GEMM configurations differ below and above 64 tokens)."""
+    from test_linear import _gpu_paths
+    if path not in _gpu_paths():
+        pytest.skip(f"{path} cannot run on this device")
+    monkeypatch.setenv("RL_ENGINE_EXT_LINEAR_PATH", path)
+    monkeypatch.setenv(SLICE_ENV, str(2 * SLICE))
+    hidden, weight, bias, targets = _problem(tokens, 1000, 136, torch.bfloat16, "cuda", seed=tokens)
+    cot = (randn(tokens, dtype=torch.float32, device="cuda", seed=1),
+           randn(tokens, dtype=torch.float32, device="cuda", seed=2))
+    fused = _run(True, hidden, weight, bias, targets, 0.9, True, cot)
+    unfused = _run(False, hidden, weight, bias, targets, 0.9, True, cot)
+    for name, x, y in zip(("logprob", "entropy", "d hidden", "d weight", "d bias"), fused, unfused):
+        assert torch.equal(x, y), name
+
+
 def test_chunk_sizes_chain_the_weight_gradient(device, dtype, monkeypatch):
     """The backward op's fp32 sums are the same bits for any chunk size and when the tokens come
     in micro-batches of multiples of LINEAR_GRAD_TILE_TOKENS through dweight_accum / dbias_accum."""
@@ -73,11 +98,15 @@ def test_chunk_sizes_chain_the_weight_gradient(device, dtype, monkeypatch):
     gh = randn(tokens, dtype=torch.float32, device=device, seed=5)
     _, ent, lse = torch.ops.rl_align.linear_logprob(hidden, weight, targets, bias, 1.0, IGNORE)
     whole = rl_engine_ext.linear_logprob_backward(g, gh, hidden, weight, bias, targets, ent, lse)
-    for chunk in (TILE, 3 * TILE):
-        monkeypatch.setenv(CHUNK_ENV, str(chunk))
+    for columns in (SLICE, 3 * SLICE):
+        monkeypatch.setenv(SLICE_ENV, str(columns))
         got = rl_engine_ext.linear_logprob_backward(g, gh, hidden, weight, bias, targets, ent, lse)
         assert all(torch.equal(a, b) for a, b in zip(got, whole))
-    monkeypatch.delenv(CHUNK_ENV)
+        # Rounded to the parameters' dtypes by the op: the fp32 sums rounded once.
+        _, dw, db = rl_engine_ext.linear_logprob_backward(g, gh, hidden, weight, bias, targets, ent, lse,
+                                                          fp32_param_grads=False)
+        assert dw.dtype == dtype and torch.equal(dw, whole[1].to(dtype)) and torch.equal(db, whole[2].to(dtype))
+    monkeypatch.delenv(SLICE_ENV)
     for micro in (TILE, 2 * TILE):
         dw = db = None
         dh = []
@@ -96,6 +125,24 @@ def test_bad_chunk_size_is_an_error(device, monkeypatch):
         monkeypatch.setenv(CHUNK_ENV, bad)
         with pytest.raises(ValueError, match="RL_ENGINE_EXT_LINEAR_LOGPROB_CHUNK_TOKENS must be a positive multiple of 64"):
             rl_engine_ext.linear_logprob(hidden, weight, targets)
+    monkeypatch.delenv(CHUNK_ENV)
+    h = hidden.clone().requires_grad_()
+    lp = rl_engine_ext.linear_logprob(h, weight, targets)
+    for bad in ("32", "0", "x"):
+        monkeypatch.setenv(SLICE_ENV, bad)
+        with pytest.raises(ValueError, match="RL_ENGINE_EXT_LINEAR_LOGPROB_SLICE_COLUMNS must be a positive multiple of 64"):
+            lp.sum().backward(retain_graph=True)
+
+
+def test_slice_width_rule():
+    """The backward's slice: logits of at most LINEAR_LOGPROB_CHUNK_ELEMENTS, a multiple of 64
+    columns, at least one unit; the native constant is the Python one."""
+    assert rl_engine_ext.LINEAR_LOGPROB_SLICE_COLUMNS == SLICE == 64
+    assert llp_mod.linear_logprob_slice_columns(4096) == 32768
+    assert llp_mod.linear_logprob_slice_columns(16384) == 8192
+    assert llp_mod.linear_logprob_slice_columns(3000) == (1 << 27) // 3000 // 64 * 64
+    assert llp_mod.linear_logprob_slice_columns(1 << 30) == 64
+    assert llp_mod.linear_logprob_slice_columns(0) == 1 << 27
 
 
 # ------------------------------------------------------------------------------------------
@@ -105,7 +152,8 @@ def test_bad_chunk_size_is_an_error(device, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(260, 1000, 64), (70, 4099, 33)], ids=lambda s: "x".join(map(str, s)))
 def test_invariance_forward_gradients_and_chaining(device, dtype, shape, monkeypatch):
-    monkeypatch.setenv(CHUNK_ENV, str(TILE))  # several chunks in every layout
+    monkeypatch.setenv(CHUNK_ENV, str(TILE))  # several chunks and slices in every layout
+    monkeypatch.setenv(SLICE_ENV, str(2 * SLICE))
     rows, vocab, width = shape
     case = llp_mod.SPEC.invariance_case(device, dtype, rows=rows, vocab=vocab, width=width)
     report = testing.check_invariance(case.fn, case.rows, case.params, weight_grad_tile=case.weight_grad_tile,

@@ -94,7 +94,7 @@ class LinearLogprobFunction : public torch::autograd::Function<LinearLogprobFunc
     static const auto op = typed_op<LogprobOutputs(
         const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
         const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-        double, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>(
+        double, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool)>(
         "rl_align::linear_logprob_backward");
     const variable_list s = ctx->get_saved_variables();
     const c10::IValue& bias_value = ctx->saved_data["bias"];
@@ -105,12 +105,13 @@ class LinearLogprobFunction : public torch::autograd::Function<LinearLogprobFunc
     auto [g, gh] = incoming_grads(grad_outputs, s[3]);
     auto [grad_hidden, grad_weight, grad_bias] =
         op.call(g, gh, s[0], s[1], bias, s[2], s[3], s[4], ctx->saved_data["temperature"].toDouble(),
-                ctx->saved_data["ignore_index"].toInt(), std::nullopt, std::nullopt);
-    // As linear's backward: the fp32 sums rounded once to the parameters' dtypes.
+                ctx->saved_data["ignore_index"].toInt(), std::nullopt, std::nullopt,
+                /*fp32_param_grads=*/false);
+    // As linear's backward: the fp32 sums rounded once to the parameters' dtypes (by the op).
     return {ctx->needs_input_grad(0) ? grad_hidden : at::Tensor(),
-            ctx->needs_input_grad(1) ? grad_weight.to(s[1].scalar_type()) : at::Tensor(),
+            ctx->needs_input_grad(1) ? grad_weight : at::Tensor(),
             at::Tensor(),
-            bias.has_value() && ctx->needs_input_grad(3) ? grad_bias.to(bias->scalar_type()) : at::Tensor(),
+            bias.has_value() && ctx->needs_input_grad(3) ? grad_bias : at::Tensor(),
             at::Tensor(), at::Tensor()};
   }
 };

@@ -42,6 +42,8 @@ struct GemmProblem {
   // Optional [n] bias in the input dtype, added in fp32 after the reduction, before rounding.
   const void* bias = nullptr;
   // Optional fp32 (m x n) start of the accumulator (row stride ldc); only with c_fp32. May alias c.
+  // (A reduction split along k at chunk boundaries thus gives the unsplit bits: linear_logprob's
+  // d hidden over vocabulary slices.)
   const float* c_accum = nullptr;
 };
 

@@ -39,6 +39,20 @@ inline int64_t linear_logprob_chunk_tokens(int64_t vocab, int64_t grad_tile_toke
   return (tiles > 0 ? tiles : 1) * grad_tile_tokens;
 }
 
+// linear_logprob's backward runs the vocabulary in slices of linear_logprob_slice_columns(T)
+// columns for all T tokens at once: a slice's logits and their gradient ([T, columns]) stay under
+// about kLinearLogprobChunkElements elements, and a slice is a multiple of
+// kLinearLogprobSliceColumns, a chunk boundary of every GEMM path's reduction (16 on the tensor
+// cores, 64 the sm90 k-block), so d hidden's sum over the vocabulary continues through the slices
+// in the unfused order.
+constexpr int64_t kLinearLogprobSliceColumns = 64;
+
+inline int64_t linear_logprob_slice_columns(int64_t tokens) {
+  const int64_t columns = kLinearLogprobChunkElements / (tokens > 0 ? tokens : 1);
+  const int64_t units = columns / kLinearLogprobSliceColumns;
+  return (units > 0 ? units : 1) * kLinearLogprobSliceColumns;
+}
+
 // The kernels' operands. logits rows are `logits_stride` elements apart (dense last dim);
 // targets are int32 or int64, one per row; the per-row outputs are dense fp32.
 struct LogprobOperands {
@@ -60,6 +74,10 @@ struct LogprobOperands {
   const float* grad_logprob = nullptr;
   const float* grad_entropy = nullptr;
   void* grad_logits = nullptr;  // logits dtype, dense rows of `vocab`
+  // The backward may see a slice of the vocabulary (linear_logprob): the logits are the columns
+  // [column_offset, column_offset + vocab) of rows of target_vocab columns, where the targets lie.
+  int64_t column_offset = 0;
+  int64_t target_vocab = 0;
 };
 
 // Row r's target, read as int64.

@@ -1,11 +1,12 @@
 // Torch binding of the linear ops' CPU kernels (linear_cpu_kernels.cpp), and of linear_logprob, which
-// runs on these GEMMs (host/linear_logprob.h).
+// runs on these GEMMs and logprob's kernels (host/linear_logprob.h).
 #include <torch/library.h>
 
 #include "../host/linear.h"
 #include "../host/linear_logprob.h"
 #include "../host/native_constants.h"
 #include "linear_cpu_kernels.h"
+#include "logprob_cpu_kernels.h"
 
 namespace rl_align {
 namespace {
@@ -18,6 +19,9 @@ struct CpuBackend {
   static void bias_grad(at::ScalarType dtype, const at::Tensor& dy, const float* accum, float* dbias) {
     linear_bias_bwd_cpu(dtype, dy.const_data_ptr(), row_stride(dy), dy.size(0), dy.size(1), accum,
                          dbias);
+  }
+  static void logprob_grad(const at::Tensor& logits, const LogprobOperands& a) {
+    logprob_bwd_cpu(logits.scalar_type(), a);
   }
 };
 

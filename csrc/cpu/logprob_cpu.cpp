@@ -26,6 +26,7 @@ struct CpuBackend {
 }  // namespace
 
 RL_ALIGN_NATIVE_CONSTANT(LINEAR_LOGPROB_CHUNK_ELEMENTS, kLinearLogprobChunkElements);
+RL_ALIGN_NATIVE_CONSTANT(LINEAR_LOGPROB_SLICE_COLUMNS, kLinearLogprobSliceColumns);
 
 TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
   m.impl("logprob", &logprob_impl<CpuBackend>);

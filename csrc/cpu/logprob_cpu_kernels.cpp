@@ -69,11 +69,12 @@ void backward(const LogprobOperands& a) {
         for (int64_t v = 0; v < a.vocab; ++v) dx[v] = static_cast<T>(0.f);
         continue;
       }
+      const int64_t t_column = t - a.column_offset;  // the target's column in this slice of the row
       const bool has_gh = a.grad_entropy != nullptr;
       const float gh = has_gh ? a.grad_entropy[r] : 0.f;
       const float ez = add_rn(a.saved_lse[r], -a.saved_entropy[r]);
       for (int64_t v = 0; v < a.vocab; ++v) {
-        dx[v] = static_cast<T>(logprob_grad(static_cast<float>(x[v]), v == t, a.inv_temperature,
+        dx[v] = static_cast<T>(logprob_grad(static_cast<float>(x[v]), v == t_column, a.inv_temperature,
                                             a.saved_lse[r], a.grad_logprob[r], has_gh, gh, ez));
       }
     }

@@ -1,7 +1,7 @@
 // Torch binding of the linear GPU kernels: path choice, device guard, current stream, dtype
 // mapping. The GEMMs live in linear_sm90.cu (wgmma), linear_sm80.cu (mma.sync) and
-// linear_simt.cu (FMA tiles, bias gradient). linear_logprob runs on the same backend
-// (host/linear_logprob.h).
+// linear_simt.cu (FMA tiles, bias gradient). linear_logprob runs on the same backend and on
+// logprob's kernels (host/linear_logprob.h).
 //
 // Path: chosen from (dtype, device) only: bf16/fp16 take sm90 on an sm_90a build running on
 // compute capability 9.0, else sm80 on any CUDA GPU >= 8.0, else simt; fp32 always takes simt
@@ -15,6 +15,7 @@
 #include "../host/linear_logprob.h"
 #include "launcher_util.h"
 #include "linear_kernels.h"
+#include "logprob_kernels.h"
 
 namespace rl_align {
 namespace {
@@ -71,6 +72,11 @@ struct CudaBackend {
         dbias, workspace.mutable_data_ptr<float>(), at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == kGpuSuccess, "rl_align::linear_grad_bias: kernel launch failed: ",
                 gpu_error_string(err));
+  }
+  static void logprob_grad(const at::Tensor& logits, const LogprobOperands& a) {
+    const c10::cuda::CUDAGuard guard(logits.device());
+    check_launch("linear_logprob_backward", logprob_bwd_simt(kernel_dtype(logits.scalar_type()), a,
+                                                             at::cuda::getCurrentCUDAStream()));
   }
 };
 

@@ -6,6 +6,8 @@
 // accumulator or zero. Tiling only decides which thread holds which element, never the order.
 #include "linear_kernels.h"
 
+#include <type_traits>
+
 namespace rl_align {
 namespace {
 
@@ -100,11 +102,20 @@ gpuError_t launch_simt(const GemmProblem& p, gpuStream_t stream) {
   return gpu_last_error();
 }
 
+// fp32 C and the input dtype's are one store for fp32 inputs: one instantiation.
+template <typename T, bool A_MN, bool B_MN>
+gpuError_t dispatch_output(const GemmProblem& p, gpuStream_t stream) {
+  if (p.c_fp32 || std::is_same<T, float>::value) return launch_simt<T, A_MN, B_MN, true>(p, stream);
+  return launch_simt<T, A_MN, B_MN, false>(p, stream);
+}
+
+// The layouts of the linear ops (forward, grad input, grad weight), any output (accum: fp32 C).
 template <typename T>
 gpuError_t dispatch_simt(const GemmProblem& p, gpuStream_t stream) {
-  if (!p.a_mn_major && !p.b_mn_major && !p.c_fp32) return launch_simt<T, false, false, false>(p, stream);
-  if (!p.a_mn_major && p.b_mn_major && !p.c_fp32) return launch_simt<T, false, true, false>(p, stream);
-  if (p.a_mn_major && p.b_mn_major && p.c_fp32) return launch_simt<T, true, true, true>(p, stream);
+  if (p.c_accum != nullptr && !p.c_fp32) return RL_GPU(ErrorNotSupported);
+  if (!p.a_mn_major && !p.b_mn_major) return dispatch_output<T, false, false>(p, stream);
+  if (!p.a_mn_major && p.b_mn_major) return dispatch_output<T, false, true>(p, stream);
+  if (p.a_mn_major && p.b_mn_major) return dispatch_output<T, true, true>(p, stream);
   return RL_GPU(ErrorNotSupported);
 }
 

@@ -104,10 +104,11 @@ __global__ void __launch_bounds__(kBwdThreads) logprob_bwd_kernel(LogprobOperand
     T* dx = static_cast<T*>(a.grad_logits) + row * a.vocab;
     const int64_t t = logprob_target(a, row);
     const bool ignored = t == a.ignore_index;
-    if (!ignored && (t < 0 || t >= a.vocab)) {
-      if (blockIdx.x == 0 && threadIdx.x == 0) fail_bad_target("logprob_backward", t, a.vocab);
+    if (!ignored && (t < 0 || t >= a.target_vocab)) {
+      if (blockIdx.x == 0 && threadIdx.x == 0) fail_bad_target("logprob_backward", t, a.target_vocab);
       return;
     }
+    const int64_t t_column = t - a.column_offset;  // the target's column in this slice of the row
     const float lse = a.saved_lse[row];
     const float g = a.grad_logprob[row];
     const bool has_gh = a.grad_entropy != nullptr;
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(kBwdThreads) logprob_bwd_kernel(LogprobOperand
       for (int j = 0; j < VEC; ++j) {
         out.v[j] = Convert<T>::from_float(
             ignored ? 0.f
-                    : logprob_grad(Convert<T>::to_float(in.v[j]), col + j == t, a.inv_temperature,
+                    : logprob_grad(Convert<T>::to_float(in.v[j]), col + j == t_column, a.inv_temperature,
                                    lse, g, has_gh, gh, ez));
       }
       if constexpr (VECTOR_IO) {

@@ -132,10 +132,12 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-// dx (contiguous rows of `in`, allocated) = grad_out @ weight, over m > 0 rows with out > 0 and
-// in > 0. linear_logprob writes each chunk's rows of its grad_hidden this way, without a copy.
+// dx (contiguous rows of `in`, allocated) = accum (or 0, null) + grad_out @ weight, over m > 0
+// rows with out > 0 and in > 0; dx in the input dtype or fp32 (needed with accum, which may be
+// dx's own storage). linear_logprob sums d hidden over its vocabulary slices this way.
 template <typename Backend>
-void linear_grad_input_into(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& dx) {
+void linear_grad_input_into(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& dx,
+                            const float* accum = nullptr) {
   constexpr const char* op = "linear_grad_input";
   const int64_t n = weight.size(0), k = weight.size(1);
   const bool aligned = Backend::needs_aligned_operands(op, grad_out.scalar_type(), grad_out);
@@ -145,7 +147,8 @@ void linear_grad_input_into(const at::Tensor& grad_out, const at::Tensor& weight
   p.m = grad_out.numel() / n; p.n = k; p.k = n;
   p.a = a.rows.const_data_ptr(); p.lda = a.ld;
   p.b = b.rows.const_data_ptr(); p.ldb = b.ld; p.b_mn_major = true;
-  p.c = dx.mutable_data_ptr(); p.ldc = k;
+  p.c = dx.mutable_data_ptr(); p.ldc = k; p.c_fp32 = dx.scalar_type() == at::kFloat;
+  p.c_accum = accum;
   Backend::run(op, grad_out.scalar_type(), p, grad_out);
 }
 
@@ -163,9 +166,10 @@ at::Tensor linear_grad_input_impl(const at::Tensor& grad_out, const at::Tensor& 
   return dx;
 }
 
-// dw (fp32 [out, in], allocated) = accum (or 0, null) + grad_out^T @ x over `tokens` > 0 rows.
-// accum may be dw's own storage: every path reads an element's accumulator before it writes it,
-// so micro-batches chain in place (linear_logprob's chunks).
+// dw ([out, in] rows with row stride in, allocated) = accum (or 0, null) + grad_out^T @ x over
+// `tokens` > 0 rows; dw fp32, or the input dtype without accum (linear_logprob's weight gradient
+// for autograd). accum may be dw's own storage: every path reads an element's accumulator before
+// it writes it.
 template <typename Backend>
 void linear_grad_weight_into(const at::Tensor& grad_out, const at::Tensor& x, const float* accum,
                              const at::Tensor& dw) {
@@ -178,7 +182,7 @@ void linear_grad_weight_into(const at::Tensor& grad_out, const at::Tensor& x, co
   p.m = n; p.n = k; p.k = x.numel() / k;
   p.a = a.rows.const_data_ptr(); p.lda = a.ld; p.a_mn_major = true;
   p.b = b.rows.const_data_ptr(); p.ldb = b.ld; p.b_mn_major = true;
-  p.c = dw.mutable_data_ptr(); p.ldc = k; p.c_fp32 = true;
+  p.c = dw.mutable_data_ptr(); p.ldc = k; p.c_fp32 = dw.scalar_type() == at::kFloat;
   p.c_accum = accum;
   Backend::run(op, x.scalar_type(), p, x);
 }

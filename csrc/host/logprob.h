@@ -111,6 +111,7 @@ inline LogprobOperands logprob_operands(const at::Tensor& logits_rows, const at:
   LogprobOperands a;
   a.rows = logits_rows.size(0);
   a.vocab = logits_rows.size(1);
+  a.target_vocab = a.vocab;
   a.logits = logits_rows.const_data_ptr();
   a.logits_stride = row_stride(logits_rows);
   a.targets = targets_flat.const_data_ptr();

@@ -2,13 +2,16 @@
 
     linear_logprob(hidden, weight, targets) == logprob(linear(hidden, weight), targets)   bit for bit
 
-forward, entropy and both gradients. The tokens go through in chunks of
+forward, entropy and both gradients. The forward takes the tokens in chunks of
 ``linear_logprob_chunk_tokens(V)`` (a multiple of ``LINEAR_GRAD_TILE_TOKENS``): per chunk the
-logits come from ``linear``'s own kernels, then ``logprob``'s; the backward recomputes a chunk's
-logits, takes ``logprob_backward`` and then linear's three gradient GEMMs, the weight and bias
-sums chained through the chunks in token order (csrc/host/linear_logprob.h says why that is the
-unfused result). Only one chunk's logits (and their gradient) exist at a time: about
-``LINEAR_LOGPROB_CHUNK_ELEMENTS`` elements in the input dtype.
+logits come from ``linear``'s own kernels, then ``logprob``'s. The backward takes the vocabulary in
+slices of ``linear_logprob_slice_columns(T)`` columns (a multiple of 64) for all tokens at once:
+per slice it recomputes the logits, takes ``logprob_backward``'s gradient of them, writes the
+slice's rows of the weight and bias gradients with one GEMM over all tokens, and continues d
+hidden's fp32 sum over the vocabulary (csrc/host/linear_logprob.h says why that is the unfused
+result). Only one chunk's or slice's logits (and their gradient) exist at a time: about
+``LINEAR_LOGPROB_CHUNK_ELEMENTS`` elements in the input dtype. (The reference, the fallback,
+takes both directions in token chunks.)
 """
 
 from __future__ import annotations
@@ -52,6 +55,21 @@ def linear_logprob_chunk_tokens(vocab: int) -> int:
     return max(tiles, 1) * LINEAR_GRAD_TILE_TOKENS
 
 
+SLICE_COLUMNS = 64
+SLICE_COLUMNS_ENV = "RL_ENGINE_EXT_LINEAR_LOGPROB_SLICE_COLUMNS"
+
+
+def linear_logprob_slice_columns(tokens: int) -> int:
+    """Vocabulary columns per backward slice for ``tokens`` tokens: the largest multiple of
+    SLICE_COLUMNS whose [tokens, columns] logits fit LINEAR_LOGPROB_CHUNK_ELEMENTS (at least
+    SLICE_COLUMNS), or $RL_ENGINE_EXT_LINEAR_LOGPROB_SLICE_COLUMNS (tests; every width gives the
+    same bits)."""
+    forced = os.environ.get(SLICE_COLUMNS_ENV, "")
+    if forced:
+        return int(forced)
+    return max(LINEAR_LOGPROB_CHUNK_ELEMENTS // max(tokens, 1) // SLICE_COLUMNS, 1) * SLICE_COLUMNS
+
+
 # ---------------------------------------------------------------------------------------------
 # Argument checks (the one Python copy; C++: csrc/host/logprob.h)
 # ---------------------------------------------------------------------------------------------
@@ -82,13 +100,17 @@ def check_linear_logprob(hidden, weight, targets, bias=None, temperature=1.0, ig
 
 
 def check_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
-                                  temperature, ignore_index, dweight_accum=None, dbias_accum=None) -> None:
+                                  temperature, ignore_index, dweight_accum=None, dbias_accum=None,
+                                  fp32_param_grads=True) -> None:
     _check_args(GRAD_OP, hidden, weight, targets, bias, temperature)
     check_backward_stats(GRAD_OP, grad_logprob, grad_entropy, entropy, lse, targets)
     _checks.check_fp32_accum(GRAD_OP, "dweight_accum", dweight_accum, tuple(weight.shape), hidden)
     if bias is None and dbias_accum is not None:
         raise _checks.fail(GRAD_OP, "dbias_accum is given but bias is None")
     _checks.check_fp32_accum(GRAD_OP, "dbias_accum", dbias_accum, (weight.shape[0],), hidden)
+    if not fp32_param_grads and (dweight_accum is not None or dbias_accum is not None):
+        raise _checks.fail(GRAD_OP, "fp32_param_grads=False rounds the weight and bias gradients to their dtypes "
+                                    "and takes no dweight_accum / dbias_accum")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,9 +136,10 @@ def reference_linear_logprob(hidden, weight, targets, bias=None, temperature=1.0
 
 
 def reference_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
-                                      temperature, ignore_index, dweight_accum=None, dbias_accum=None):
+                                      temperature, ignore_index, dweight_accum=None, dbias_accum=None,
+                                      fp32_param_grads=True):
     check_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
-                                  temperature, ignore_index, dweight_accum, dbias_accum)
+                                  temperature, ignore_index, dweight_accum, dbias_accum, fp32_param_grads)
     check_targets_in_range(GRAD_OP, targets, weight.shape[0], ignore_index)
     width = hidden.shape[-1]
     h = hidden.reshape(-1, width)
@@ -135,6 +158,8 @@ def reference_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight
         dw = reference_grad_weight(dlogits, h[c], dw)
         if bias is not None:
             db = reference_grad_bias(dlogits, db)
+    if not fp32_param_grads:
+        dw, db = dw.to(weight.dtype), db if bias is None else db.to(bias.dtype)
     return grad_hidden.reshape(hidden.shape), dw, db
 
 
@@ -153,9 +178,12 @@ def _empty_forward(hidden, weight, targets, *rest):
     return tuple(hidden.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
 
 
-def _empty_backward(grad_logprob, grad_entropy, hidden, weight, bias, *rest):
-    return (hidden.new_empty(hidden.shape), hidden.new_empty(weight.shape, dtype=torch.float32),
-            hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32))
+def _empty_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse, temperature,
+                    ignore_index, dweight_accum=None, dbias_accum=None, fp32_param_grads=True):
+    return (hidden.new_empty(hidden.shape),
+            hidden.new_empty(weight.shape, dtype=torch.float32 if fp32_param_grads else weight.dtype),
+            hidden.new_empty((weight.shape[0] if bias is not None else 0,),
+                             dtype=torch.float32 if fp32_param_grads or bias is None else bias.dtype))
 
 
 def _setup_context(ctx, inputs, output):
@@ -170,11 +198,11 @@ def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
     hidden, weight, targets, entropy, lse, bias = ctx.saved_tensors
     grad_hidden, grad_weight, grad_bias = OPS.linear_logprob_backward(
         grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse, ctx.temperature, ctx.ignore_index,
-        None, None)
+        None, None, False)
     return (grad_hidden if ctx.needs_input_grad[0] else None,
-            grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+            grad_weight if ctx.needs_input_grad[1] else None,
             None,
-            grad_bias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None,
+            grad_bias if bias is not None and ctx.needs_input_grad[3] else None,
             None, None)
 
 
@@ -196,13 +224,14 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 def linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
                             temperature: float = 1.0, ignore_index: int = IGNORE_INDEX, dweight_accum=None,
-                            dbias_accum=None):
+                            dbias_accum=None, fp32_param_grads: bool = True):
     """(grad_hidden, grad_weight fp32, grad_bias fp32 or an empty tensor without a bias), the weight
     and bias sums continuing from dweight_accum / dbias_accum (micro-batches of multiples of
-    LINEAR_GRAD_TILE_TOKENS chain bit for bit)."""
+    LINEAR_GRAD_TILE_TOKENS chain bit for bit). fp32_param_grads=False (no accumulators): grad_weight
+    and grad_bias rounded once to the parameters' dtypes (what autograd uses; half the memory)."""
     return OPS.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets,
                                        entropy, lse, float(temperature), int(ignore_index),
-                                       dweight_accum, dbias_accum)
+                                       dweight_accum, dbias_accum, bool(fp32_param_grads))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +261,7 @@ def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
             Sample(GRAD_OP, (g, g, h, w, b, t, ent, lse, 0.9, IGNORE_INDEX, None, None)),
             Sample(GRAD_OP, (g, None, h, w, None, t, ent, lse, 0.9, IGNORE_INDEX,
                              torch.ones(w.shape, device=device), None)),
+            Sample(GRAD_OP, (g, g, h, w, b, t, ent, lse, 0.9, IGNORE_INDEX, None, None, False)),
         ]
     return out
 
@@ -265,6 +295,8 @@ def _bad_inputs(device: str) -> list[BadInput]:
                  "dbias_accum is given but bias is None"),
         BadInput(GRAD_OP, (g, None, h, w, b, t, g, g, 1.0, -100, None, b[:2]), ValueError,
                  r"dbias_accum must have shape \[16\]"),
+        BadInput(GRAD_OP, (g, None, h, w, b, t, g, g, 1.0, -100, None, b, False), ValueError,
+                 "fp32_param_grads=False rounds the weight and bias gradients"),
     ]
     if device == "cpu":
         bad += [
@@ -314,12 +346,15 @@ SPEC = OpSpec(
         "linear_logprob": linear_logprob,
         "linear_logprob_backward": linear_logprob_backward,
         "linear_logprob_chunk_tokens": linear_logprob_chunk_tokens,
+        "linear_logprob_slice_columns": linear_logprob_slice_columns,
         "LINEAR_LOGPROB_CHUNK_ELEMENTS": LINEAR_LOGPROB_CHUNK_ELEMENTS,
+        "LINEAR_LOGPROB_SLICE_COLUMNS": SLICE_COLUMNS,
     },
     reference_fp32=reference_forward_fp32,
     samples=_samples,
     bad_inputs=_bad_inputs,
     check_shapes=({"rows": 257, "vocab": 1000, "width": 256}, {"rows": 130, "vocab": 4099, "width": 64}),
     invariance_case=_invariance_case,
-    constants={"LINEAR_LOGPROB_CHUNK_ELEMENTS": LINEAR_LOGPROB_CHUNK_ELEMENTS},
+    constants={"LINEAR_LOGPROB_CHUNK_ELEMENTS": LINEAR_LOGPROB_CHUNK_ELEMENTS,
+               "LINEAR_LOGPROB_SLICE_COLUMNS": SLICE_COLUMNS},
 )
