@@ -133,10 +133,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_impl(
     return {grad_hidden, grad_weight, grad_bias};
   }
   const at::Tensor h = hidden.reshape({tokens, width});
-  const at::Tensor t = targets.reshape({tokens}).contiguous();
-  const at::Tensor g = grad_logprob.reshape({tokens}).contiguous();
-  const at::Tensor gh = grad_entropy.has_value() ? grad_entropy->reshape({tokens}).contiguous() : at::Tensor();
-  const at::Tensor ent = entropy.reshape({tokens}).contiguous(), lse_rows = lse.reshape({tokens}).contiguous();
+  const at::Tensor t = flat_rows(targets);
+  const LogprobBackwardRows rows(grad_logprob, grad_entropy, entropy, lse);
   const at::Tensor grad_hidden_rows = grad_hidden.view({tokens, width});
   const int64_t columns = logprob_slice_columns(tokens);
   // One slice: d hidden straight into grad_hidden; several: the fp32 sum, rounded at the end.
@@ -154,11 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_impl(
     LogprobOperands a = logprob_operands(logits, t, temperature, ignore_index);
     a.column_offset = first;
     a.target_vocab = vocab;
-    a.grad_logprob = g.const_data_ptr<float>();
-    a.grad_entropy = gh.defined() ? gh.const_data_ptr<float>() : nullptr;
-    a.saved_lse = lse_rows.const_data_ptr<float>();
-    a.saved_entropy = ent.const_data_ptr<float>();
-    a.grad_logits = grad_logits.mutable_data_ptr();
+    rows.set(a, grad_logits);
     LinearBackend::logprob_grad(logits, a);
     if (width > 0) {
       linear_grad_input_into<LinearBackend>(grad_logits, w_slice, hidden_sum,

@@ -143,6 +143,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_impl(const at::Tensor& lo
   return {logprob, entropy, lse};
 }
 
+// The backward's per-row inputs as flat contiguous fp32 rows, held while a kernel reads them.
+struct LogprobBackwardRows {
+  at::Tensor g, gh, entropy, lse;
+  LogprobBackwardRows(const at::Tensor& grad_logprob, const std::optional<at::Tensor>& grad_entropy,
+                      const at::Tensor& entropy_, const at::Tensor& lse_)
+      : g(flat_rows(grad_logprob)),
+        gh(grad_entropy.has_value() ? flat_rows(*grad_entropy) : at::Tensor()),
+        entropy(flat_rows(entropy_)),
+        lse(flat_rows(lse_)) {}
+  // Points a's backward inputs at these rows and its output at grad_logits.
+  void set(LogprobOperands& a, const at::Tensor& grad_logits) const {
+    a.grad_logprob = g.const_data_ptr<float>();
+    a.grad_entropy = gh.defined() ? gh.const_data_ptr<float>() : nullptr;
+    a.saved_lse = lse.const_data_ptr<float>();
+    a.saved_entropy = entropy.const_data_ptr<float>();
+    a.grad_logits = grad_logits.mutable_data_ptr();
+  }
+};
+
 template <typename Backend>
 at::Tensor logprob_backward_impl(const at::Tensor& grad_logprob,
                                  const std::optional<at::Tensor>& grad_entropy,
@@ -157,14 +176,9 @@ at::Tensor logprob_backward_impl(const at::Tensor& grad_logprob,
   if (targets.numel() == 0) return grad_logits;
   const at::Tensor targets_flat = flat_rows(targets);
   Backend::check_targets(op, targets_flat, logits.size(-1), ignore_index);
+  const LogprobBackwardRows rows(grad_logprob, grad_entropy, entropy, lse);
   LogprobOperands a = logprob_operands(as_rows(logits), targets_flat, temperature, ignore_index);
-  const at::Tensor g = flat_rows(grad_logprob), lse_c = flat_rows(lse), ent_c = flat_rows(entropy);
-  const at::Tensor gh = grad_entropy.has_value() ? flat_rows(*grad_entropy) : at::Tensor();
-  a.grad_logprob = g.const_data_ptr<float>();
-  a.grad_entropy = gh.defined() ? gh.const_data_ptr<float>() : nullptr;
-  a.saved_lse = lse_c.const_data_ptr<float>();
-  a.saved_entropy = ent_c.const_data_ptr<float>();
-  a.grad_logits = grad_logits.mutable_data_ptr();
+  rows.set(a, grad_logits);
   Backend::bwd(logits, a);
   return grad_logits;
 }
