@@ -14,7 +14,7 @@ import rl_engine_ext
 from rl_engine_ext import contract, testing
 from rl_engine_ext.ops import attention as attn
 
-from conftest import make_generator, randn
+from conftest import assert_device_assert, make_generator, randn
 
 def _config(device: str, dtype: torch.dtype):
     """(Hq, Hkv, D, sequence lengths) per device: lengths on both sides of the 64-key block and
@@ -216,6 +216,62 @@ def test_batched_decode_equals_prefill(device, dtype):
     for i, n in enumerate(lengths):
         _assert_equal(out[i, :, 0], alone[i][0][n - 1], f"decode seq {i} out")
         _assert_equal(lse[i, :, 0], alone[i][1][:, n - 1], f"decode seq {i} lse")
+
+
+def test_decode_without_host_validation(device, dtype):
+    """validate=False (no host read of cache_seqlens): the same bits as validate=True, for decode
+    and chunked prefill, int32 and int64 lengths; a bad length is still an error on the CPU."""
+    hq, hkv, d, lengths = _config(device, dtype)
+    lengths = [length for length in lengths if length >= 2]
+    seqs = _sequences(lengths, hq, hkv, d, dtype, device)
+    k_cache, v_cache = _cache(seqs, max(lengths) + 3)
+    for n in (1, 2):
+        q = torch.stack([s[0][-n:].transpose(0, 1) for s in seqs])  # [B, Hq, n, D]
+        for len_dtype in (torch.int32, torch.int64):
+            lens = torch.tensor(lengths, dtype=len_dtype, device=device)
+            want = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True)
+            got = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True, validate=False)
+            _assert_equal(got[0], want[0], f"n={n} {len_dtype} out")
+            _assert_equal(got[1], want[1], f"n={n} {len_dtype} lse")
+    if device == "cpu":
+        bad = torch.tensor([lengths[0]] * (len(lengths) - 1) + [max(lengths) + 4], device=device)
+        with pytest.raises(ValueError, match=r"cache_seqlens\[\d+\] = \d+ must hold the 2 new tokens and fit the cache"):
+            rl_engine_ext.attention_kvcache(q, k_cache, v_cache, bad, validate=False)
+
+
+@pytest.mark.cuda
+def test_decode_step_captured_in_a_cuda_graph():
+    """A decode step with validate=False captures in a CUDA graph (no host synchronisation) and,
+    replayed with other lengths copied into the same cache_seqlens tensor, gives the eager bits."""
+    dtype, device = torch.bfloat16, "cuda"
+    batch, hq, hkv, d, s_max = 3, 8, 2, 128, 300
+    q = randn(batch, hq, 1, d, dtype=dtype, device=device, seed=1)
+    k_cache = randn(batch, hkv, s_max, d, dtype=dtype, device=device, seed=2)
+    v_cache = randn(batch, hkv, s_max, d, dtype=dtype, device=device, seed=3)
+    lens = torch.tensor([5, 64, 65], dtype=torch.int32, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (one-time kernel setup)
+        rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, validate=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True, validate=False)
+    for new in ([5, 64, 65], [1, 300, 129], [200, 2, 63]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        want = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True)
+        _assert_equal(out, want[0], f"replay {new} out")
+        _assert_equal(lse, want[1], f"replay {new} lse")
+
+
+@pytest.mark.cuda
+def test_bad_cache_length_without_validation_is_a_device_assert():
+    setup = ("q = torch.randn(2, 4, 1, 64, device='cuda', dtype=torch.bfloat16)\n"
+             "kc = torch.randn(2, 2, 16, 64, device='cuda', dtype=torch.bfloat16)\n"
+             "lens = torch.tensor([3, 17], device='cuda')\n")
+    assert_device_assert(setup, "rl_engine_ext.attention_kvcache(q, kc, kc, lens, validate=False)",
+                         "rl_align::attention_kvcache: cache_seqlens 17 out of range for a cache of 16 positions")
 
 
 def test_gradients_run_to_run_identical(device, dtype):

@@ -16,6 +16,11 @@ struct CpuBackend {
   static void bwd(const char*, at::ScalarType dtype, const AttentionGradProblem& p, const at::Tensor&) {
     attention_bwd_cpu(dtype, p);
   }
+  // attention_kvcache(validate=False): host memory, so the lengths are checked as with validate.
+  static void check_cache_seqlens(const at::Tensor& lens, int64_t new_tokens, int64_t capacity) {
+    const int64_t* l = lens.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < lens.numel(); ++b) check_cache_seqlen(b, l[b], new_tokens, capacity);
+  }
 };
 
 }  // namespace

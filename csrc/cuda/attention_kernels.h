@@ -34,4 +34,9 @@ gpuError_t attention_fwd_simt(DType dtype, const AttentionProblem& p, gpuStream_
 gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 
+// attention_kvcache without host validation: a device-side assert (device_assert.cuh) unless
+// every lens[b] (int64, [batch]) lies in [new_tokens, capacity]. No host synchronisation.
+gpuError_t attention_check_cache_seqlens(const int64_t* lens, int64_t batch, int64_t new_tokens,
+                                         int64_t capacity, gpuStream_t stream);
+
 }  // namespace rl_align

@@ -58,6 +58,13 @@ struct CudaBackend {
     TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", path_name(path),
                 " attention backward launch failed: ", gpu_error_string(err));
   }
+  // attention_kvcache(validate=False): lengths checked on the device, never read by the host.
+  static void check_cache_seqlens(const at::Tensor& lens, int64_t new_tokens, int64_t capacity) {
+    const c10::cuda::CUDAGuard guard(lens.device());
+    check_launch("attention_kvcache", attention_check_cache_seqlens(lens.const_data_ptr<int64_t>(), lens.numel(),
+                                                                    new_tokens, capacity,
+                                                                    at::cuda::getCurrentCUDAStream()));
+  }
 };
 
 }  // namespace

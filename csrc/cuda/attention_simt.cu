@@ -38,6 +38,7 @@
 #include <cmath>
 
 #include "attention_kernels.h"
+#include "device_assert.cuh"
 
 namespace rl_align {
 namespace {
@@ -598,6 +599,28 @@ gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& gp, gpuSt
   if (gp.fwd.num_seqs == 0 || gp.fwd.max_q_len == 0) return kGpuSuccess;  // no tokens anywhere
   return dispatch_dtype<KernelTypes>(
       dtype, [&](auto tag) { return dispatch_bwd<decltype(tag)>(gp, stream); }, gpu_not_supported);
+}
+
+namespace {
+
+__global__ void check_cache_seqlens_kernel(const int64_t* lens, int64_t batch, int64_t new_tokens,
+                                           int64_t capacity) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < batch && (lens[b] < new_tokens || lens[b] > capacity)) {
+    fail_index_out_of_range("attention_kvcache", "cache_seqlens", lens[b], "a cache of ", capacity,
+                            " positions holding the new tokens");
+  }
+}
+
+}  // namespace
+
+gpuError_t attention_check_cache_seqlens(const int64_t* lens, int64_t batch, int64_t new_tokens,
+                                         int64_t capacity, gpuStream_t stream) {
+  if (batch == 0) return kGpuSuccess;
+  constexpr int kThreads = 128;
+  check_cache_seqlens_kernel<<<static_cast<unsigned>(ceil_div(batch, kThreads)), kThreads, 0, stream>>>(
+      lens, batch, new_tokens, capacity);
+  return gpu_last_error();
 }
 
 }  // namespace rl_align

@@ -60,14 +60,19 @@ inline double attention_scale(const char* op, const std::optional<double>& scale
   return s;
 }
 
-// A sequence-lengths tensor (mask, cu_seqlens, cache lengths) copied to the host as int64.
-inline std::vector<int64_t> host_int64(const char* op, const char* name, const at::Tensor& t,
-                                       const at::Tensor& like) {
+// A sequence-lengths tensor (mask, cu_seqlens, cache lengths): on q's device, bool or integer.
+inline void check_index_tensor(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like) {
   TORCH_CHECK(t.device() == like.device(), "rl_align::", op, ": ", name, " is on ", t.device(),
               " but q is on ", like.device());
   TORCH_CHECK_VALUE(t.scalar_type() == at::kBool || at::isIntegralType(t.scalar_type(), false),
                     "rl_align::", op, ": ", name, " must be a bool or integer tensor, got ",
                     dtype_name(t.scalar_type()));
+}
+
+// A sequence-lengths tensor copied to the host as int64.
+inline std::vector<int64_t> host_int64(const char* op, const char* name, const at::Tensor& t,
+                                       const at::Tensor& like) {
+  check_index_tensor(op, name, t, like);
   const at::Tensor h = t.to(at::kCPU, at::kLong).contiguous();
   return std::vector<int64_t>(h.const_data_ptr<int64_t>(), h.const_data_ptr<int64_t>() + h.numel());
 }
@@ -115,21 +120,33 @@ inline std::vector<int64_t> flatten(const std::vector<SeqDesc>& d) {
   return out;
 }
 
+// The sequence count and upper bounds of the lengths: what the grids are sized from.
+struct SeqBounds {
+  int64_t num_seqs, max_q_len, max_kv_len;
+};
+
+inline SeqBounds seq_bounds(const std::vector<SeqDesc>& seqs) {
+  SeqBounds b{static_cast<int64_t>(seqs.size()), 0, 0};
+  for (const SeqDesc& s : seqs) {
+    b.max_q_len = std::max(b.max_q_len, s.q_len);
+    b.max_kv_len = std::max(b.max_kv_len, s.kv_len);
+  }
+  return b;
+}
+
 // The problem for operands q (and out) [.., Hq, .., D] and k/v [.., Hkv, .., D] with the given
 // token and head strides (in elements) and lse head stride.
-inline AttentionProblem make_problem(const std::vector<SeqDesc>& seqs, const at::Tensor& seqs_dev,
+inline AttentionProblem make_problem(const SeqBounds& bounds, const at::Tensor& seqs_dev,
                                      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      int64_t q_token_dim, int64_t q_head_dim, int64_t lse_stride_head,
                                      double scale, bool causal) {
   AttentionProblem p;
-  p.num_seqs = static_cast<int64_t>(seqs.size());
+  p.num_seqs = bounds.num_seqs;
   p.heads_q = q.size(q_head_dim);
   p.heads_kv = k.size(q_head_dim);
   p.head_dim = q.size(-1);
-  for (const SeqDesc& s : seqs) {
-    p.max_q_len = std::max(p.max_q_len, s.q_len);
-    p.max_kv_len = std::max(p.max_kv_len, s.kv_len);
-  }
+  p.max_q_len = bounds.max_q_len;
+  p.max_kv_len = bounds.max_kv_len;
   p.seqs = seqs_dev.const_data_ptr<int64_t>();
   p.q = q.const_data_ptr();
   p.q_stride_token = q.stride(q_token_dim);
@@ -247,9 +264,10 @@ struct AttentionLayout {
   int64_t lse_stride_head;
 };
 
+// seqs_dev: [num_seqs][kAttentionSeqFields] int64 on q's device, within `bounds`.
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const AttentionOperands& x,
-                                                        const std::vector<SeqDesc>& seqs,
+                                                        const SeqBounds& bounds, const at::Tensor& seqs_dev,
                                                         const AttentionLayout& layout, double scale,
                                                         bool causal, bool any_padding) {
   const at::Tensor& q = x.q;
@@ -259,16 +277,24 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const At
   at::Tensor out = any_padding ? at::zeros_like(q) : at::empty_like(q);
   at::Tensor lse = any_padding ? at::full(layout.lse_shape, -std::numeric_limits<float>::infinity(), f32)
                                : at::empty(layout.lse_shape, f32);
-  int64_t max_q_len = 0;
-  for (const SeqDesc& d : seqs) max_q_len = std::max(max_q_len, d.q_len);
-  if (q.numel() == 0 || max_q_len == 0) return {out, lse};
-  const at::Tensor seqs_dev = seqs_tensor(flatten(seqs), q);
-  AttentionProblem p = make_problem(seqs, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
+  if (q.numel() == 0 || bounds.max_q_len == 0) return {out, lse};
+  AttentionProblem p = make_problem(bounds, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
                                     layout.lse_stride_head, scale, causal);
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr<float>();
   Backend::fwd(op, q.scalar_type(), p, q);
   return {out, lse};
+}
+
+// The same from descriptors read on the host.
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const AttentionOperands& x,
+                                                        const std::vector<SeqDesc>& seqs,
+                                                        const AttentionLayout& layout, double scale,
+                                                        bool causal, bool any_padding) {
+  const SeqBounds bounds = seq_bounds(seqs);
+  const at::Tensor seqs_dev = x.q.numel() == 0 || bounds.max_q_len == 0 ? at::Tensor() : seqs_tensor(flatten(seqs), x.q);
+  return attention_fwd_common<Backend>(op, x, bounds, seqs_dev, layout, scale, causal, any_padding);
 }
 
 inline void check_backward_extras(const char* op, const at::Tensor& grad_out, const at::Tensor& out,
@@ -300,16 +326,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
   at::Tensor dq = any_padding ? at::zeros_like(q) : at::empty_like(q);
   at::Tensor dk = any_padding ? at::zeros_like(x.k) : at::empty_like(x.k);
   at::Tensor dv = any_padding ? at::zeros_like(x.k) : at::empty_like(x.k);
-  int64_t max_q_len = 0;
-  for (const SeqDesc& d : seqs) max_q_len = std::max(max_q_len, d.q_len);
-  if (q.numel() == 0 || max_q_len == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  const SeqBounds bounds = seq_bounds(seqs);
+  if (q.numel() == 0 || bounds.max_q_len == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   const at::Tensor don = same_layout(grad_out, q);
   const at::Tensor on = same_layout(out, q);
   const at::Tensor lsen = lse.contiguous();
   at::Tensor delta = at::empty_like(lsen);
   const at::Tensor seqs_dev = seqs_tensor(flatten(seqs), q);
   AttentionGradProblem g;
-  g.fwd = make_problem(seqs, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
+  g.fwd = make_problem(bounds, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
                        layout.lse_stride_head, scale, causal);
   // The kernels only read these two through the gradient problem.
   g.fwd.out = const_cast<void*>(on.const_data_ptr());
@@ -390,13 +415,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_impl(
                                        attention_scale(op, scale, q.size(2)), causal, false);
 }
 
+inline void check_cache_seqlen(int64_t b, int64_t len, int64_t new_tokens, int64_t capacity) {
+  TORCH_CHECK_VALUE(len >= new_tokens && len <= capacity, "rl_align::attention_kvcache: cache_seqlens[", b,
+                    "] = ", len, " must hold the ", new_tokens, " new tokens and fit the cache (", capacity,
+                    " positions)");
+}
+
 // KV cache: q [B, Hq, n, D] holds positions kv_len[b]-n .. kv_len[b]-1 of sequence b, whose keys
 // and values 0 .. kv_len[b]-1 are in k_cache/v_cache [B, Hkv, S_max, D] (the new ones included).
+// validate: the lengths are read and checked on the host (a ValueError), one device-to-host copy.
+// Without: the descriptors are built on the device from cache_seqlens and the Backend checks the
+// lengths where they are (CUDA: a device-side assert), so a decode step has no host
+// synchronisation and can be captured in a CUDA graph; the kernels' grids come from the shapes
+// (n queries per sequence, at most S_max keys), every sequence's loop stops at its own length.
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache,
                                                           const at::Tensor& cache_seqlens,
-                                                          std::optional<double> scale) {
+                                                          std::optional<double> scale, bool validate) {
   constexpr const char* op = "attention_kvcache";
   check_attention_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]");
   TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "rl_align::", op, ": q ", q.sizes(), " and k_cache ",
@@ -404,16 +440,27 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == q.size(0), "rl_align::", op,
                     ": cache_seqlens must have shape [", q.size(0), "], got ", cache_seqlens.sizes());
   const double s = attention_scale(op, scale, q.size(3));
+  const int64_t batch = q.size(0), n = q.size(2), s_max = k_cache.size(2);
+  TORCH_CHECK_VALUE(n <= s_max, "rl_align::", op, ": q's ", n, " new tokens do not fit the cache (", s_max,
+                    " positions)");
+  if (!validate) {
+    check_index_tensor(op, "cache_seqlens", cache_seqlens, q);
+    const at::Tensor lens = cache_seqlens.to(at::kLong).contiguous();
+    if (batch > 0) Backend::check_cache_seqlens(lens, n, s_max);
+    const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
+    const at::Tensor b = at::arange(batch, lens.options());
+    const at::Tensor seqs_dev = at::stack({b * x.q.stride(0), b * x.k.stride(0), b * (q.size(1) * n),
+                                           at::full_like(b, n), lens}, 1).contiguous();
+    return attention_fwd_common<Backend>(op, x, SeqBounds{batch, n, s_max}, seqs_dev, padded_layout(q), s, true,
+                                         false);
+  }
   const std::vector<int64_t> lens = host_int64(op, "cache_seqlens", cache_seqlens, q);
   const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
-  const int64_t n = q.size(2), s_max = k_cache.size(2);
   std::vector<SeqDesc> seqs;
   seqs.reserve(lens.size());
   for (size_t b = 0; b < lens.size(); ++b) {
-    TORCH_CHECK_VALUE(lens[b] >= n && lens[b] <= s_max, "rl_align::", op, ": cache_seqlens[", b,
-                      "] = ", lens[b], " must hold the ", n, " new tokens and fit the cache (",
-                      s_max, " positions)");
     const int64_t bi = static_cast<int64_t>(b);
+    check_cache_seqlen(bi, lens[b], n, s_max);
     seqs.push_back({bi * x.q.stride(0), bi * x.k.stride(0), bi * q.size(1) * n, n, lens[b]});
   }
   return attention_fwd_common<Backend>(op, x, seqs, padded_layout(q), s, true, false);

@@ -147,7 +147,7 @@ def check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max
     _scale(op, scale, q.shape[-1])
 
 
-def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None) -> None:
+def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=True) -> None:
     op = "attention_kvcache"
     _check_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]")
     if k_cache.shape[0] != q.shape[0]:
@@ -155,6 +155,8 @@ def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None) -> N
     if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != q.shape[0]:
         raise _checks.fail(op, f"cache_seqlens must have shape [{q.shape[0]}], got {list(cache_seqlens.shape)}")
     _scale(op, scale, q.shape[-1])
+    if q.shape[2] > k_cache.shape[2]:
+        raise _checks.fail(op, f"q's {q.shape[2]} new tokens do not fit the cache ({k_cache.shape[2]} positions)")
     _checks.check_index_tensor(op, "cache_seqlens", cache_seqlens, q)
 
 
@@ -279,8 +281,9 @@ def reference_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=Tr
     return _varlen(op, q, k, v, cu_seqlens, max_seqlen, _scale(op, scale, q.shape[-1]), causal, fp32_out)
 
 
-def reference_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, fp32_out=False):
-    check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale)
+def reference_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=True, fp32_out=False):
+    """The reference reads the lengths on the host whatever ``validate`` says."""
+    check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale, validate)
     return _kvcache(q, k_cache, v_cache, cache_seqlens, _scale("attention_kvcache", scale, q.shape[-1]), fp32_out)
 
 
@@ -419,9 +422,17 @@ def attention_kvcache(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    validate: bool = True,
 ):
-    """KV-cache attention (decode / chunked prefill): the same bits as the full prefill."""
-    out, lse = OPS.attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale)
+    """KV-cache attention (decode / chunked prefill): the same bits as the full prefill.
+
+    ``validate=True`` reads ``cache_seqlens`` on the host and raises a ValueError for a length
+    outside ``[n, S_max]`` (one device-to-host copy per call). ``validate=False`` never reads them
+    on the host: no synchronisation, so a decode step can be captured in a CUDA graph and
+    replayed with new lengths; a bad length is then a device-side assert on CUDA (the context is
+    unusable afterwards, as after F.embedding's), still an error on the CPU, never an
+    out-of-bounds read."""
+    out, lse = OPS.attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale, validate)
     return (out, lse) if return_lse else out
 
 
@@ -454,6 +465,7 @@ def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
         Sample("attention_varlen_backward", (dout[0].transpose(0, 1).contiguous(), qp, kp, vp, outp, lsep, cu, 20,
                                              0.125, True)),
         Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None)),
+        Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None, False)),
     ]
 
 
