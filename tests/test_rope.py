@@ -45,7 +45,7 @@ def _equal_pair(got, want):
 def test_invariance_packed_tokens(device, dtype, style, head_dim, rotary_dim):
     """thd, rows = tokens of packed sequences (positions restarting at 0): a token's outputs and
     gradients are the same bits in a batch of one, any sub-batch, with padding, in chunks. On the
-    GPU the token counts cross the head-group split (grid.y) thresholds."""
+    GPU the token counts go from one tile to hundreds, tokens split between tiles (D80-R36)."""
     inv_freq = _inv_freq(rotary_dim, device)
     for tokens in ([1, 3, 257, 4097] if device == "cuda" else [1, 3, 257]):
         q, k = _qk((tokens, 6, head_dim), (tokens, 2, head_dim), dtype, device, tokens)
@@ -172,9 +172,9 @@ def test_strided_and_misaligned_inputs(device, dtype, style, head_dim, rotary_di
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.gpu_memory_heavy
 def test_gpu_grid_configurations_agree(dtype):
-    """The GPU splits heads into groups (grid.y) from the token count: Qwen3's 32/8 heads over
-    1 .. 40000 tokens cover every split from one head per thread to all heads in one thread.
-    Every token gets the same bits in each, forward and backward."""
+    """The GPU's tiles are ranges of (token, head, chunk) items, which split tokens, and its
+    blocks stride over them: Qwen3's 32/8 heads over 1 .. 40000 tokens go from one partial tile
+    to dozens of tiles per block. Every token gets the same bits in each, forward and backward."""
     tokens = 40000
     inv_freq = _inv_freq(128, "cuda")
     q, k = _qk((tokens, 32, 128), (tokens, 8, 128), dtype, "cuda", 17)
@@ -185,6 +185,53 @@ def test_gpu_grid_configurations_agree(dtype):
             s = (tokens - n) // 2
             part = op(q[s:s + n], k[s:s + n], positions[s:s + n], inv_freq, "neox", "thd")
             _equal_pair(part, (whole[0][s:s + n], whole[1][s:s + n]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads,head_dim,rotary_dim", [((1, 0), 64, 64), ((3, 1), 2304, 2176), ((2, 1), 1040, 1032)],
+                         ids=["1head", "R2176", "R1032"])
+def test_gpu_tile_shapes(dtype, heads, head_dim, rotary_dim):
+    """The GPU kernel's other tile shapes: shorter tiles where one token's cos/sin table is large
+    against its items (one head), and windows of a head row's chunks where R/2 exceeds half a
+    table buffer (R = 2176; R = 1032: a partial last rotary chunk in bf16, the element path).
+    Each token gets the bits it gets alone, forward and backward, on the vector and element paths,
+    within the contract's tolerance of the float64 truth."""
+    tokens = 37
+    inv_freq = _inv_freq(rotary_dim, "cuda")
+    q, k = _qk((tokens, heads[0], head_dim), (tokens, heads[1], head_dim), dtype, "cuda", 19)
+    positions = rope_mod.packed_positions(tokens, 19, device="cuda") * 1009
+    for op, sign, kind in ((rl_engine_ext.rope, 1, "forward"), (rl_engine_ext.rope_backward, -1, "gradient")):
+        whole = op(q, k, positions, inv_freq, "neox", "thd")
+        for s in (0, 5, tokens - 1):
+            _equal_pair(op(q[s:s + 1], k[s:s + 1], positions[s:s + 1], inv_freq, "neox", "thd"),
+                        (whole[0][s:s + 1], whole[1][s:s + 1]))
+        # One element off 16-byte alignment: the element path.
+        flat_q = torch.empty(q.numel() + 1, dtype=dtype, device="cuda")
+        flat_k = torch.empty(k.numel() + 1, dtype=dtype, device="cuda")
+        qm, km = flat_q[1:].view_as(q).copy_(q), flat_k[1:].view_as(k).copy_(k)
+        _equal_pair(op(qm, km, positions, inv_freq, "neox", "thd"), whole)
+        # The backward's truth: the rotation by -theta.
+        truth = rope_mod.reference_forward_fp32(q, k, sign * positions, inv_freq, "neox", "thd")
+        tol = contract.tolerance("rope", dtype, kind)
+        for g, t in zip(whole, truth):
+            torch.testing.assert_close(g.float(), t, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.cuda
+@pytest.mark.gpu_memory_heavy
+def test_gpu_64bit_indices():
+    """Past 2^31 elements the GPU kernel indexes in 64 bits: the tokens of a 4 GB q (one token
+    expanded, 2^21 + 5 positions) get the bits they get alone (32-bit indices)."""
+    heads, head_dim = 8, 128
+    tokens = 2**31 // (heads * head_dim) + 5
+    inv_freq = _inv_freq(head_dim, "cuda")
+    q1, k1 = _qk((1, heads, head_dim), (1, 1, head_dim), torch.bfloat16, "cuda", 20)
+    positions = torch.arange(tokens, device="cuda")
+    out = rl_engine_ext.rope(q1.expand(tokens, -1, -1), k1.expand(tokens, -1, -1), positions, inv_freq, "neox", "thd")
+    for s in (0, tokens // 2, tokens - 1):
+        _equal_pair(rl_engine_ext.rope(q1, k1, positions[s:s + 1], inv_freq, "neox", "thd"),
+                    (out[0][s:s + 1], out[1][s:s + 1]))
 
 
 # ------------------------------------------------------------------------------------------
