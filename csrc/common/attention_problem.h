@@ -20,6 +20,25 @@
 //   Per block: m' = max(m, max_j scale * s_j); alpha = exp(m - m'); p_j = exp(scale * s_j - m')
 //   (masked keys: p_j = 0); l = l * alpha + sum_j p_j; acc = acc * alpha + sum_j p_j v_j.
 //   out = acc / l (rounded once to the input dtype); lse = m + log(l) (fp32).
+// KV splits. The keys are also cut into splits of kAttentionKvSplit positions, split c =
+//   [c L, c L + L) with L = kAttentionKvSplit (a multiple of the block), counted from the
+//   sequence's own position 0. A row whose allowed keys lie in one split (every row below
+//   position L, and every row of a causal sequence at positions < L) runs the recurrence above
+//   unchanged. Otherwise each split c the row reaches (its first key c L is allowed) runs the
+//   recurrence from a fresh state (m = -inf, l = 0, acc = 0) over its own blocks, giving the
+//   partial (m_c, l_c, acc_c), and the partials merge in increasing c, starting from split 0's:
+//     M' = max(M, m_c);  a = M == M' ? 1 : exp(M - M');  b = m_c == M' ? 1 : exp(m_c - M')
+//     L  = fl(fl(L a) + fl(l_c b));   A[d] = fl(fl(A[d] a) + fl(acc_c[d] b))   (no fma)
+//   then out = A / L and lse = M + log(L) as above. exp/log are the path's own (the same ones as
+//   its block recurrence, on its own score domain). Which thread, CTA or kernel computes a
+//   partial, and whether partials are merged as they complete (a prefill row finishing split c)
+//   or after all of them (a decode step running the splits on separate CTAs), changes nothing:
+//   the same partials merge by the same formula in the same order. Splits exist so that a few
+//   long sequences can spread their keys over the whole GPU in a decode step (DESIGN.md section
+//   4 allows a split only in this form); a prefill reproduces them so that decode == prefill.
+// Masked keys (past the row's causal position, or past kv_len) never enter a product, a max or
+// a sum: their terms are selected out, not multiplied by 0, so a NaN or Inf in a masked key's k
+// or v changes no bit of the rows that may not see it (forward and backward).
 // Nothing in this chain depends on other sequences, other queries, how many queries share a
 // launch, or where the sequence sits in memory, so a token's out/lse are the same bits in a
 // batch of 1 or N, padded left or right, packed next to anything, in a chunked prefill at any
@@ -27,7 +46,9 @@
 // (docs/design.md, "The numerical contract").
 // Rows with no allowed key (q_len = 0 sequences have none) are never written by the kernels.
 //
-// Backward (q_len == kv_len, no KV cache), per sequence and head, with dO the output gradient:
+// Backward (q_len == kv_len, no KV cache), per sequence and head, with dO the output gradient
+// (unchanged by the splits: it recomputes P from the forward's lse; masked pairs (i, j) have
+// P = dS = 0 selected and their k_j, q_i, v_j, dO_i never enter a product):
 //   delta_i = dot(dO_i, O_i) in fp32 (O as stored, in the input dtype)
 //   P_ij recomputed as exp(scale * s_ij - lse_i); dP_ij = dot(dO_i, v_j); dS_ij = P_ij (dP_ij - delta_i)
 //   dQ_i = scale * sum_j dS_ij k_j        over key blocks in increasing order
@@ -46,6 +67,11 @@ namespace rl_align {
 // Key/value positions per block of the online softmax (every path): blocks start at multiples
 // of it in the sequence's own positions.
 constexpr int64_t kAttentionKvBlock = 64;
+// Key positions per KV split (every path, dtype and head_dim): splits start at multiples of it in
+// the sequence's own positions. 2048 lets one sequence of 32k keys spread over 16 x kv-heads CTAs
+// in a decode step while prefills up to 2048 tokens never cross a split boundary.
+constexpr int64_t kAttentionKvSplit = 2048;
+static_assert(kAttentionKvSplit % kAttentionKvBlock == 0, "splits are whole blocks");
 
 // Per-sequence descriptor: kAttentionSeqFields int64 values per sequence, in this order.
 enum AttentionSeqField : int {
