@@ -12,18 +12,25 @@
 // columns, so each SIMD lane is one element's own sequential chain). Operands are fp32 copies:
 // the tile's rows transposed ([d][row]) and the block's keys (queries) transposed ([d][col]) for
 // the chains over d; the block's rows as [row][d] for the chains over keys (queries). Padding
-// rows, keys and columns of d are zero and computed like the others, then dropped, so every
-// element takes the same instruction sequence whatever the lengths; a chain over d has exactly
-// head_dim steps.
+// rows, keys and columns of d are zero or stale and computed like the others, then dropped, so
+// every element takes the same instruction sequence whatever the lengths; a chain over d has
+// exactly head_dim steps.
 //
-// Masked keys inside a block. A row's chains over the keys (queries) of a block run over every
-// key the block holds for its tile, the masked ones with p = dS = 0. Such a term is a*b = +-0,
-// and acc + (+-0) = acc for every acc except -0; an accumulator started at +0 never becomes -0
-// in round-to-nearest (x + y = -0 only if both are -0), so the masked terms change no bit. That
-// is what makes a causal row's result the same when the keys after it are real data (full
-// prefill), absent (a chunk or decode step ends at the row), or another row's (the tile's).
-// Same for whole blocks: a row with no allowed key in a block skips the block's softmax update.
-// This holds for finite inputs (0 * inf would be NaN).
+// Masked keys inside a block. A row's chains over the keys (queries) of a block run over its
+// allowed ones only (ranged_tile_product): a masked term is never formed, so a NaN or Inf in a
+// key (query) the row may not see changes none of its bits (a p = 0 term would give 0 * inf =
+// NaN). For finite inputs this gives the bits a chain over every key with p = dS = 0 terms
+// would: such a term is a*b = +-0, and acc + (+-0) = acc for every acc except -0, which an
+// accumulator started at +0 never becomes in round-to-nearest. Scores and dP of masked pairs
+// are computed with the block's others and never read. Whole blocks: a row with no allowed key
+// in a block skips the block's softmax update. So a causal row's result is the same when the
+// keys after it are real data (full prefill), absent (a chunk or decode step ends at the row),
+// or another row's (the tile's), whatever they hold.
+//
+// KV splits (forward). The running (m, l, acc) of a row is its current split's partial; at each
+// split boundary a row that reaches the new split folds the finished partial into its merged
+// state (split 0's partial is copied, later ones merged by merge_split) and starts the next from
+// a fresh state. A tile straddling a boundary folds only the rows that reach it.
 #include "attention_cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -47,6 +54,8 @@ constexpr int64_t kRowTile = 4 * kMicroRows;
 static_assert(kBlock % kMicroCols == 0, "a block is whole column groups");
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Where a query row's chains over a key block start: at the block's first key.
+constexpr int64_t kFromFirstKey[kRowTile] = {};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -59,6 +68,63 @@ void tile_product(int64_t depth, const float* a, int64_t a_panel, int64_t rows, 
     for (int64_t r0 = 0; r0 < rows; r0 += kMicroRows) {
       micro_kernel(depth, a + (r0 / kMicroRows) * a_panel, b + (c0 / kMicroCols) * b_panel,
                    acc + r0 * ld_acc + c0, ld_acc);
+    }
+  }
+}
+
+// The micro-kernel's per-element operation (an fp32 multiply, then an fp32 add) for one row,
+// kk = from .. to-1 in order: acc[c] = acc[c] + a[kk] * b[kk][c], with a the row's lane of its A
+// panel and the column groups' B panels b_panel apart.
+void row_chain(int64_t from, int64_t to, const float* a, const float* b, int64_t b_panel, int64_t cols,
+               float* acc) {
+  for (int64_t kk = from; kk < to; ++kk) {
+    const float av = a[kk * kMicroRows];
+    for (int64_t c0 = 0; c0 < cols; c0 += kMicroCols) {
+      const float* bk = b + (c0 / kMicroCols) * b_panel + kk * kMicroCols;
+      for (int64_t e = 0; e < kMicroCols; ++e) acc[c0 + e] = acc[c0 + e] + av * bk[e];
+    }
+  }
+}
+
+// tile_product with row r's chain over kk = begin[r] .. end[r]-1 (its allowed keys or queries)
+// for the real rows r < rows; rows_pad rows as in tile_product. A row group runs the
+// micro-kernel over the range all its real rows share and each real row's own head and tail
+// through row_chain (before and after it, so every element's chain stays in kk order); a group
+// whose real rows share no range runs them through row_chain alone. The padding rows ride along
+// in the micro-kernel (their results are dropped).
+void ranged_tile_product(const int64_t* begin, const int64_t* end, int64_t rows, const float* a,
+                         int64_t a_panel, int64_t rows_pad, const float* b, int64_t b_panel, int64_t cols,
+                         float* acc, int64_t ld_acc) {
+  constexpr int64_t kGroups = kRowTile / kMicroRows;
+  int64_t lo[kGroups], hi[kGroups];
+  for (int64_t r0 = 0; r0 < rows_pad; r0 += kMicroRows) {
+    int64_t& l = lo[r0 / kMicroRows];
+    int64_t& h = hi[r0 / kMicroRows];
+    l = 0;
+    h = std::numeric_limits<int64_t>::max();
+    for (int64_t r = r0; r < std::min(rows, r0 + kMicroRows); ++r) {
+      l = std::max(l, begin[r]);
+      h = std::min(h, end[r]);
+    }
+    if (l >= h) l = h = 0;  // no shared range: row_chain below takes each whole range
+    const float* ag = a + (r0 / kMicroRows) * a_panel;
+    for (int64_t r = r0; r < std::min(rows, r0 + kMicroRows); ++r) {
+      row_chain(begin[r], h > l ? l : end[r], ag + r % kMicroRows, b, b_panel, cols, acc + r * ld_acc);
+    }
+  }
+  for (int64_t c0 = 0; c0 < cols; c0 += kMicroCols) {
+    for (int64_t r0 = 0; r0 < rows_pad; r0 += kMicroRows) {
+      const int64_t g = r0 / kMicroRows;
+      if (hi[g] <= lo[g]) continue;
+      micro_kernel(hi[g] - lo[g], a + g * a_panel + lo[g] * kMicroRows,
+                   b + (c0 / kMicroCols) * b_panel + lo[g] * kMicroCols, acc + r0 * ld_acc + c0, ld_acc);
+    }
+  }
+  for (int64_t r0 = 0; r0 < rows_pad; r0 += kMicroRows) {
+    const int64_t g = r0 / kMicroRows;
+    if (hi[g] <= lo[g]) continue;
+    for (int64_t r = r0; r < std::min(rows, r0 + kMicroRows); ++r) {
+      row_chain(hi[g], end[r], a + g * a_panel + r % kMicroRows, b, b_panel, cols, acc + r * ld_acc);
     }
   }
 }
@@ -135,7 +201,8 @@ struct FwdScratch {
         s(kRowTile * kBlock),
         p(kRowTile * kBlock),
         pv(kRowTile * dim_pad),
-        acc(kRowTile * dim_pad) {}
+        acc(kRowTile * dim_pad),
+        merged_acc(kRowTile * dim_pad) {}
   int64_t dim_pad;         // head_dim up to whole column groups
   std::vector<float> q;    // the tile's queries, row panels over d (A of S = Q K^T)
   std::vector<float> k;    // the block's keys, row panels over d (B of S)
@@ -143,10 +210,43 @@ struct FwdScratch {
   std::vector<float> s;    // [kRowTile][kBlock] scores, then scale * scores
   std::vector<float> p;    // probabilities, A panels over the block (A of P V)
   std::vector<float> pv;   // [kRowTile][dim_pad] the block's sum_j p_j v_j
-  std::vector<float> acc;  // [kRowTile][dim_pad] running acc
-  float m[kRowTile], l[kRowTile], alpha[kRowTile];
-  bool updates[kRowTile];  // whether the block holds an allowed key for the row
+  std::vector<float> acc;  // [kRowTile][dim_pad] running acc of the current split
+  std::vector<float> merged_acc;  // [kRowTile][dim_pad] the splits before it, merged
+  float m[kRowTile], l[kRowTile], alpha[kRowTile], merged_m[kRowTile], merged_l[kRowTile];
+  int64_t allowed[kRowTile];   // allowed keys of the row in the block: the block's first ones
+  int64_t last_key[kRowTile];  // the row's last allowed key
 };
+
+// The contract's merge of split partial (m_c, l_c, acc_c) into the merged state (m, l, acc):
+// each product and the sum rounded separately (-ffp-contract=off: no fma).
+void merge_split(float& m, float& l, float* acc, float m_c, float l_c, const float* acc_c, int64_t dim) {
+  const float m_new = std::max(m, m_c);
+  const float a = m == m_new ? 1.f : std::exp(m - m_new);
+  const float b = m_c == m_new ? 1.f : std::exp(m_c - m_new);
+  l = l * a + l_c * b;
+  for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] * a + acc_c[d] * b;
+  m = m_new;
+}
+
+// Split boundary split_start (> 0): each row reaching it folds its finished partial into its
+// merged state and starts the new split from a fresh one.
+void start_split(FwdScratch& w, int64_t rows, int64_t split_start, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (w.last_key[r] < split_start) continue;
+    float* acc = w.acc.data() + r * w.dim_pad;
+    float* merged = w.merged_acc.data() + r * w.dim_pad;
+    if (split_start == kAttentionKvSplit) {  // split 0's partial starts the merged state
+      w.merged_m[r] = w.m[r];
+      w.merged_l[r] = w.l[r];
+      std::copy(acc, acc + dim, merged);
+    } else {
+      merge_split(w.merged_m[r], w.merged_l[r], merged, w.m[r], w.l[r], acc, dim);
+    }
+    w.m[r] = kNegInf;
+    w.l[r] = 0.f;
+    std::fill(acc, acc + w.dim_pad, 0.f);
+  }
+}
 
 // Query tile [i0, i0 + rows) of head h: its rows (up to kRowTile), rows padded to the
 // micro-kernel, and the element offsets of its first query and of its kv head's key 0.
@@ -175,18 +275,21 @@ void fwd_tile(const AttentionProblem& p, FwdScratch& w, const AttentionSeq& sq, 
     w.l[r] = 0.f;
   }
   const int64_t pos0 = sq.first_pos() + i0;  // position of the tile's row 0
+  for (int64_t r = 0; r < rows; ++r) w.last_key[r] = p.causal ? pos0 + r : sq.kv_len - 1;
   const int64_t key_end = p.causal ? pos0 + rows : sq.kv_len;
   for (int64_t kb0 = 0; kb0 < key_end; kb0 += kBlock) {
+    if (kb0 > 0 && kb0 % kAttentionKvSplit == 0) start_split(w, rows, kb0, dim);
     const int64_t keys = std::min(kBlock, sq.kv_len - kb0);
     load_row_panels<kMicroCols>(k + kb0 * p.kv_stride_token, p.kv_stride_token, keys, kBlock, dim, w.k.data());
     load_block_panels(v + kb0 * p.kv_stride_token, p.kv_stride_token, keys, dim, w.v.data());
     std::fill(w.s.begin(), w.s.end(), 0.f);
     tile_product(dim, w.q.data(), kMicroRows * dim, rows_pad, w.k.data(), kMicroCols * dim, kBlock, w.s.data(),
                  kBlock);
-    for (int64_t r = 0; r < rows_pad; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       // Allowed keys of the row in this block: kb0 .. kb0 + allowed - 1.
-      const int64_t allowed = r >= rows ? 0 : p.causal ? std::min(keys, pos0 + r + 1 - kb0) : keys;
-      w.updates[r] = allowed > 0;
+      const int64_t allowed = std::max<int64_t>(0, std::min(keys, w.last_key[r] + 1 - kb0));
+      w.allowed[r] = allowed;
+      if (allowed == 0) continue;
       float* x = w.s.data() + r * kBlock;
       float block_max = kNegInf;
       for (int64_t j = 0; j < allowed; ++j) {
@@ -194,24 +297,21 @@ void fwd_tile(const AttentionProblem& p, FwdScratch& w, const AttentionSeq& sq, 
         block_max = std::max(block_max, x[j]);
       }
       float sum = 0.f;
-      if (allowed > 0) {
-        const float m_new = std::max(w.m[r], block_max);
-        w.alpha[r] = std::exp(w.m[r] - m_new);
-        for (int64_t j = 0; j < allowed; ++j) {
-          const float prob = std::exp(x[j] - m_new);
-          w.p[block_a_at(r, j)] = prob;
-          sum = sum + prob;
-        }
-        w.m[r] = m_new;
-        w.l[r] = w.l[r] * w.alpha[r] + sum;
+      const float m_new = std::max(w.m[r], block_max);
+      w.alpha[r] = std::exp(w.m[r] - m_new);
+      for (int64_t j = 0; j < allowed; ++j) {
+        const float prob = std::exp(x[j] - m_new);
+        w.p[block_a_at(r, j)] = prob;
+        sum = sum + prob;
       }
-      for (int64_t j = std::max<int64_t>(allowed, 0); j < keys; ++j) w.p[block_a_at(r, j)] = 0.f;
+      w.m[r] = m_new;
+      w.l[r] = w.l[r] * w.alpha[r] + sum;
     }
     std::fill(w.pv.begin(), w.pv.end(), 0.f);
-    tile_product(keys, w.p.data(), kMicroRows * kBlock, rows_pad, w.v.data(), kMicroCols * kBlock, dim_pad,
-                 w.pv.data(), dim_pad);
+    ranged_tile_product(kFromFirstKey, w.allowed, rows, w.p.data(), kMicroRows * kBlock, rows_pad, w.v.data(),
+                        kMicroCols * kBlock, dim_pad, w.pv.data(), dim_pad);
     for (int64_t r = 0; r < rows; ++r) {
-      if (!w.updates[r]) continue;
+      if (w.allowed[r] == 0) continue;
       float* acc = w.acc.data() + r * dim_pad;
       const float* pv = w.pv.data() + r * dim_pad;
       const float alpha = w.alpha[r];
@@ -221,10 +321,18 @@ void fwd_tile(const AttentionProblem& p, FwdScratch& w, const AttentionSeq& sq, 
   T* out = static_cast<T*>(p.out) + q_offset;
   float* lse = p.lse + sq.lse_base + h * p.lse_stride_head + i0;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* acc = w.acc.data() + r * dim_pad;
+    float* acc = w.acc.data() + r * dim_pad;
+    float m = w.m[r], l = w.l[r];
+    if (w.last_key[r] >= kAttentionKvSplit) {  // the last split's partial merges into the others'
+      float* merged = w.merged_acc.data() + r * dim_pad;
+      merge_split(w.merged_m[r], w.merged_l[r], merged, m, l, acc, dim);
+      acc = merged;
+      m = w.merged_m[r];
+      l = w.merged_l[r];
+    }
     T* row = out + r * p.q_stride_token;
-    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d] / w.l[r]);
-    lse[r] = w.m[r] + std::log(w.l[r]);
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d] / l);
+    lse[r] = m + std::log(l);
   }
 }
 
@@ -258,6 +366,7 @@ struct GradScratch {
   std::vector<float> p, ds;                   // P and dS, A panels over the block
   std::vector<float> acc_a, acc_b;            // [kRowTile][dim_pad] dq; or dk and dv
   float lse[kBlock], delta[kBlock];
+  int64_t begin[kRowTile], end[kRowTile];     // each row's allowed columns of the block
 };
 
 // delta_i = sum_d dout_i[d] * out_i[d], d in order.
@@ -315,21 +424,18 @@ void dq_tile(const AttentionGradProblem& g, GradScratch& w, const AttentionSeq& 
     load_row_panels<kMicroCols>(v + at, p.kv_stride_token, keys, kBlock, dim, w.blk_b.data());
     load_block_panels(k + at, p.kv_stride_token, keys, dim, w.blk_a_cols.data());
     scores(dim, rows_pad, w);
-    for (int64_t r = 0; r < rows_pad; ++r) {
-      const int64_t allowed = r >= rows ? 0 : p.causal ? std::min(keys, pos0 + r + 1 - kb0) : keys;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t allowed = p.causal ? std::max<int64_t>(0, std::min(keys, pos0 + r + 1 - kb0)) : keys;
+      w.end[r] = allowed;
       const float* s = w.s.data() + r * kBlock;
       const float* dp = w.dp.data() + r * kBlock;
-      for (int64_t j = 0; j < keys; ++j) {
-        float ds = 0.f;
-        if (j < allowed) {
-          const float prob = std::exp(p.scale * s[j] - w.lse[r]);
-          ds = prob * (dp[j] - w.delta[r]);
-        }
-        w.ds[block_a_at(r, j)] = ds;
+      for (int64_t j = 0; j < allowed; ++j) {
+        const float prob = std::exp(p.scale * s[j] - w.lse[r]);
+        w.ds[block_a_at(r, j)] = prob * (dp[j] - w.delta[r]);
       }
     }
-    tile_product(keys, w.ds.data(), kMicroRows * kBlock, rows_pad, w.blk_a_cols.data(), kMicroCols * kBlock,
-                 dim_pad, w.acc_a.data(), dim_pad);
+    ranged_tile_product(kFromFirstKey, w.end, rows, w.ds.data(), kMicroRows * kBlock, rows_pad,
+                        w.blk_a_cols.data(), kMicroCols * kBlock, dim_pad, w.acc_a.data(), dim_pad);
   }
   T* dq = static_cast<T*>(g.dq) + q_offset;
   for (int64_t r = 0; r < rows; ++r) {
@@ -354,7 +460,7 @@ void dkv_tile(const AttentionGradProblem& g, GradScratch& w, const AttentionSeq&
   std::fill(w.acc_a.begin(), w.acc_a.end(), 0.f);
   std::fill(w.acc_b.begin(), w.acc_b.end(), 0.f);
   const int64_t pos0 = sq.first_pos();  // position of query 0
-  // The first query that may attend to the tile's key 0 (earlier ones would add only zeros).
+  // The first query that may attend to the tile's key 0 (earlier ones see none of its keys).
   const int64_t i_begin = p.causal ? std::max<int64_t>(0, j0 - pos0) : 0;
   for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     const T* q = static_cast<const T*>(p.q) + sq.q_base + h * p.q_stride_head;
@@ -373,24 +479,23 @@ void dkv_tile(const AttentionGradProblem& g, GradScratch& w, const AttentionSeq&
       }
       // s[r][c] = sum_d k_r[d] * q_c[d]: the same products, in the same order, as dot(q_c, k_r).
       scores(dim, rows_pad, w);
-      for (int64_t r = 0; r < rows_pad; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
+        // Allowed queries of key row r in this block: the last ones, from the one at its position.
+        const int64_t first = p.causal ? std::clamp<int64_t>(j0 + r - pos0 - ib0, 0, queries) : 0;
+        w.begin[r] = first;
+        w.end[r] = queries;
         const float* s = w.s.data() + r * kBlock;
         const float* dp = w.dp.data() + r * kBlock;
-        for (int64_t c = 0; c < queries; ++c) {
-          const bool allowed = r < rows && (!p.causal || pos0 + ib0 + c >= j0 + r);
-          float prob = 0.f, ds = 0.f;
-          if (allowed) {
-            prob = std::exp(p.scale * s[c] - w.lse[c]);
-            ds = prob * (dp[c] - w.delta[c]);
-          }
+        for (int64_t c = first; c < queries; ++c) {
+          const float prob = std::exp(p.scale * s[c] - w.lse[c]);
           w.p[block_a_at(r, c)] = prob;
-          w.ds[block_a_at(r, c)] = ds;
+          w.ds[block_a_at(r, c)] = prob * (dp[c] - w.delta[c]);
         }
       }
-      tile_product(queries, w.ds.data(), kMicroRows * kBlock, rows_pad, w.blk_a_cols.data(), kMicroCols * kBlock,
-                   dim_pad, w.acc_a.data(), dim_pad);
-      tile_product(queries, w.p.data(), kMicroRows * kBlock, rows_pad, w.blk_b_cols.data(), kMicroCols * kBlock,
-                   dim_pad, w.acc_b.data(), dim_pad);
+      ranged_tile_product(w.begin, w.end, rows, w.ds.data(), kMicroRows * kBlock, rows_pad, w.blk_a_cols.data(),
+                          kMicroCols * kBlock, dim_pad, w.acc_a.data(), dim_pad);
+      ranged_tile_product(w.begin, w.end, rows, w.p.data(), kMicroRows * kBlock, rows_pad, w.blk_b_cols.data(),
+                          kMicroCols * kBlock, dim_pad, w.acc_b.data(), dim_pad);
     }
   }
   T* dk = static_cast<T*>(g.dk) + kv_offset;
