@@ -26,6 +26,7 @@ struct CpuBackend {
 }  // namespace
 
 RL_ALIGN_NATIVE_CONSTANT(ATTENTION_KV_BLOCK, kAttentionKvBlock);
+RL_ALIGN_NATIVE_CONSTANT(ATTENTION_KV_SPLIT, kAttentionKvSplit);
 
 TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
   m.impl("attention", &attention_impl<CpuBackend>);

@@ -19,12 +19,19 @@ back too (``[B, Hq, S]``, ``[Hq, T]``, ``[B, Hq, n]``).
 
 Invariance (native kernels): positions are the sequence's own (0 = its first token, whatever
 padding or packing surrounds it); keys are taken in blocks of ``ATTENTION_KV_BLOCK`` (64)
-positions in increasing order with an fp32 running max and sum; no split over keys. A token's
-out and lse are therefore the same bits in a batch of 1 or N, padded left or right, packed next
-to anything, in a chunked prefill at any chunk size and in a KV-cache decode step. The backward
-recomputes the softmax and sums dQ over key blocks and dK/dV over the group's heads and query
-blocks in fixed order, without atomics: a sequence's gradients do not depend on the batch.
-Padding rows get out 0, lse -inf and zero gradients.
+positions in increasing order with an fp32 running max and sum. The keys are also cut into
+fixed splits of ``ATTENTION_KV_SPLIT`` (2048) positions, counted the same way: a row whose
+allowed keys reach several splits runs the recurrence over each split from a fresh state and
+merges the partials in split order with one formula (csrc/common/attention_problem.h), in a
+prefill as in a decode step, so rows below position 2048 see no split at all. A token's out and
+lse are therefore the same bits in a batch of 1 or N, padded left or right, packed next to
+anything, in a chunked prefill at any chunk size and in a KV-cache decode step. Masked keys
+(after the row's causal position, or outside its sequence) are selected out, never multiplied by
+a zero probability: a NaN or Inf in a key a row may not see changes none of its bits, forward or
+backward (the references below too). The backward recomputes the softmax and sums dQ over key
+blocks and dK/dV over the group's heads and query blocks in fixed order, without atomics: a
+sequence's gradients do not depend on the batch. Padding rows get out 0, lse -inf and zero
+gradients.
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sampl
 
 OP = "attention"
 
-# Shared with kAttentionKvBlock in csrc/common/attention_problem.h (exported by the native library).
+# Shared with kAttentionKvBlock / kAttentionKvSplit in csrc/common/attention_problem.h (exported by
+# the native library).
 ATTENTION_KV_BLOCK = 64
+ATTENTION_KV_SPLIT = 2048
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,19 +204,42 @@ def _cu_runs(op: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int | No
     return runs
 
 
+def _allowed(n: int, length: int, q_pos0: int, causal: bool, device) -> torch.Tensor:
+    """[n, length] bool: query i (at position q_pos0 + i) may see key j."""
+    kpos = torch.arange(length, device=device)
+    qpos = torch.arange(n, device=device) + q_pos0
+    return kpos[None, :] <= qpos[:, None] if causal else torch.ones(n, length, dtype=torch.bool, device=device)
+
+
+def _masked_matmul(w: torch.Tensor, allowed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum_j w[h, i, j] x[h, j] over the allowed pairs (i, j) only; w [H, n, L] is 0 on the others,
+    x [H, L, D]. A plain matmul would form 0 * x_j for them, NaN where x_j holds a NaN or Inf: so
+    the keys (rows of x) holding one are left out of it and added term by term, masked pairs
+    selected out. Finite x (the usual case) takes the plain matmul."""
+    bad = (~torch.isfinite(x)).any(-1).any(0)
+    if not bool(bad.any()):
+        return w @ x
+    out = w[..., ~bad] @ x[:, ~bad]
+    idx = bad.nonzero().squeeze(1)
+    step = max(1, 2**24 // max(1, w.shape[0] * w.shape[1] * x.shape[-1]))  # bounds the [H, n, step, D] terms
+    for c in range(0, idx.numel(), step):
+        j = idx[c : c + step]
+        terms = w[..., j, None] * x[:, None, j]  # [H, n, step, D]
+        out = out + torch.where(allowed[:, j, None], terms, 0).sum(-2)
+    return out
+
+
 def _sequence_attention(q, k, v, q_pos0: int, scale: float, causal: bool, fp32_out: bool):
-    """One sequence: q [Hq, n, D] at positions q_pos0.., k/v [Hkv, L, D] at 0..L-1. fp32 math."""
+    """One sequence: q [Hq, n, D] at positions q_pos0.., k/v [Hkv, L, D] at 0..L-1. fp32 math;
+    masked keys selected out (a non-finite k or v there changes nothing)."""
     group = q.shape[0] // k.shape[0]
     with contract.fp32_reference_mode():
         kf = k.float().repeat_interleave(group, 0)
         vf = v.float().repeat_interleave(group, 0)
-        scores = (q.float() @ kf.transpose(1, 2)) * scale
-        if causal:
-            qpos = torch.arange(q.shape[1], device=q.device) + q_pos0
-            kpos = torch.arange(k.shape[1], device=q.device)
-            scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+        allowed = _allowed(q.shape[1], k.shape[1], q_pos0, causal, q.device)
+        scores = ((q.float() @ kf.transpose(1, 2)) * scale).masked_fill(~allowed, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
-        out = torch.softmax(scores, dim=-1) @ vf
+        out = _masked_matmul(torch.softmax(scores, dim=-1), allowed, vf)
     return (out if fp32_out else out.to(q.dtype)), lse
 
 
@@ -290,22 +322,22 @@ def reference_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=T
 def _sequence_grads(q, k, v, dout, scale: float, causal: bool):
     """One sequence's (dq, dk, dv) in fp32 math, rounded to the input dtype: P = softmax(scale q k^T),
     dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = scale dS K, dK = scale dS^T Q, the
-    group's query heads summed into their key/value head."""
+    group's query heads summed into their key/value head. Masked pairs are selected out of every
+    sum (P = dS = 0 there, and their k, v, q, dO enter no product)."""
     hkv, group = k.shape[0], q.shape[0] // k.shape[0]
     with contract.fp32_reference_mode():
         qf, do = q.float(), dout.float()
         kf = k.float().repeat_interleave(group, 0)
         vf = v.float().repeat_interleave(group, 0)
-        scores = (qf @ kf.transpose(1, 2)) * scale
-        if causal:
-            pos = torch.arange(q.shape[1], device=q.device)
-            scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        allowed = _allowed(q.shape[1], k.shape[1], 0, causal, q.device)
+        scores = ((qf @ kf.transpose(1, 2)) * scale).masked_fill(~allowed, float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        dp = do @ vf.transpose(1, 2)
-        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-        dq = (ds @ kf) * scale
-        dk = ((ds.transpose(1, 2) @ qf) * scale).view(hkv, group, *k.shape[1:]).sum(1)
-        dv = (p.transpose(1, 2) @ do).view(hkv, group, *v.shape[1:]).sum(1)
+        dp = do @ vf.transpose(1, 2)  # masked pairs' dP is never read
+        pdp = torch.where(allowed, p * dp, 0)
+        ds = torch.where(allowed, p * (dp - pdp.sum(-1, keepdim=True)), 0)
+        dq = _masked_matmul(ds, allowed, kf) * scale
+        dk = (_masked_matmul(ds.transpose(1, 2), allowed.T, qf) * scale).view(hkv, group, *k.shape[1:]).sum(1)
+        dv = _masked_matmul(p.transpose(1, 2), allowed.T, do).view(hkv, group, *v.shape[1:]).sum(1)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -572,6 +604,7 @@ SPEC = OpSpec(
         "attention_varlen": attention_varlen,
         "attention_kvcache": attention_kvcache,
         "ATTENTION_KV_BLOCK": ATTENTION_KV_BLOCK,
+        "ATTENTION_KV_SPLIT": ATTENTION_KV_SPLIT,
     },
     reference_fp32=reference_forward_fp32,
     samples=_samples,
@@ -579,5 +612,5 @@ SPEC = OpSpec(
     check_shapes=({"batch": 5, "heads_q": 4, "heads_kv": 2, "seq": 130, "head_dim": 64},
                   {"batch": 3, "heads_q": 8, "heads_kv": 8, "seq": 77, "head_dim": 128}),
     invariance_case=_invariance_case,
-    constants={"ATTENTION_KV_BLOCK": ATTENTION_KV_BLOCK},
+    constants={"ATTENTION_KV_BLOCK": ATTENTION_KV_BLOCK, "ATTENTION_KV_SPLIT": ATTENTION_KV_SPLIT},
 )
