@@ -16,10 +16,22 @@ struct CpuBackend {
   static void bwd(const char*, at::ScalarType dtype, const AttentionGradProblem& p, const at::Tensor&) {
     attention_bwd_cpu(dtype, p);
   }
+  static at::Tensor to_device(const at::Tensor& host, const at::Tensor&) { return host; }
   // attention_kvcache(validate=False): host memory, so the lengths are checked as with validate.
-  static void check_cache_seqlens(const at::Tensor& lens, int64_t new_tokens, int64_t capacity) {
-    const int64_t* l = lens.const_data_ptr<int64_t>();
-    for (int64_t b = 0; b < lens.numel(); ++b) check_cache_seqlen(b, l[b], new_tokens, capacity);
+  static at::Tensor kvcache_seqs(const at::Tensor& lens, const KvcacheStrides& st) {
+    const at::Tensor l = lens.to(at::kLong).contiguous();
+    const int64_t* len = l.const_data_ptr<int64_t>();
+    at::Tensor seqs = at::zeros({l.numel() * kAttentionSeqFields + 1}, l.options());  // + the status word
+    int64_t* f = seqs.mutable_data_ptr<int64_t>();
+    for (int64_t b = 0; b < l.numel(); ++b, f += kAttentionSeqFields) {
+      check_cache_seqlen(b, len[b], st.new_tokens, st.capacity);
+      f[kSeqQBase] = b * st.q;
+      f[kSeqKvBase] = b * st.kv;
+      f[kSeqLseBase] = b * st.lse;
+      f[kSeqQLen] = st.new_tokens;
+      f[kSeqKvLen] = len[b];
+    }
+    return seqs;
   }
 };
 

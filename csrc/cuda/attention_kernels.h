@@ -24,9 +24,29 @@ constexpr int64_t kAttentionSimtMaxHeadDim = 256;
 // Whether `path` was compiled into this build and runs `dtype` x `head_dim` on `device`.
 bool attention_path_available(AttentionPath path, DType dtype, int64_t head_dim, int device);
 
+// fp32 partial states of the KV splits (attention_problem.h) for the sm80 forward: `slots`
+// states per row (row = one lse element, LSE index order), acc [rows][slots][head_dim] and
+// ml [rows][slots][2] (running max in the log2 domain, sum). slots = 1: a prefill CTA keeps a
+// row's merged state there while it runs the next split; slots = splits: a decode step runs each
+// split on its own CTA and a combine kernel merges them. Which one runs changes no bit.
+// masked_nonfinite: the problem's status word (0 before the launch), needed when max_q_len > 1
+// (keys masked inside a sequence exist): the fast kernels set it on a non-finite result, and the
+// launch then recomputes with the exact kernel (attention_sm80.cu).
+struct AttentionFwdWorkspace {
+  float* acc = nullptr;
+  float* ml = nullptr;
+  int64_t slots = 0;
+  int64_t* masked_nonfinite = nullptr;
+};
+
+// The slots per row the sm80 forward needs for `p` (0: no workspace, every row's keys
+// lie in one split). Chosen from shapes only.
+int64_t attention_fwd_sm80_split_slots(const AttentionProblem& p);
+
 // Forward: writes out and lse for every query of every sequence (rows of sequences with
-// q_len = 0 are not touched).
-gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, gpuStream_t stream);
+// q_len = 0 are not touched). `w`: attention_fwd_sm80_split_slots(p) slots per row.
+gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                              gpuStream_t stream);
 gpuError_t attention_fwd_simt(DType dtype, const AttentionProblem& p, gpuStream_t stream);
 
 // Backward (q_len == kv_len for every sequence): writes delta, then dq, dk, dv for every token of
@@ -34,9 +54,13 @@ gpuError_t attention_fwd_simt(DType dtype, const AttentionProblem& p, gpuStream_
 gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 
-// attention_kvcache without host validation: a device-side assert (device_assert.cuh) unless
-// every lens[b] (int64, [batch]) lies in [new_tokens, capacity]. No host synchronisation.
-gpuError_t attention_check_cache_seqlens(const int64_t* lens, int64_t batch, int64_t new_tokens,
-                                         int64_t capacity, gpuStream_t stream);
+// attention_kvcache without host validation: the sequence descriptors (attention_problem.h) of
+// a [batch, heads, n, D] query and a [batch, heads_kv, capacity, D] cache, built on the device
+// from lens ([batch], int32 or int64): seqs[b] = {b q_stride, b kv_stride, b lse_stride,
+// new_tokens, lens[b]} and the zero status word after them (seqs: batch * 5 + 1 int64), and a device-side assert (device_assert.cuh) unless lens[b] lies in
+// [new_tokens, capacity]. One kernel, no host synchronisation.
+gpuError_t attention_kvcache_seqs(const void* lens, bool lens_int64, int64_t batch, int64_t q_stride,
+                                  int64_t kv_stride, int64_t lse_stride, int64_t new_tokens, int64_t capacity,
+                                  int64_t* seqs, gpuStream_t stream);
 
 }  // namespace rl_align

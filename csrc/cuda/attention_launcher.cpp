@@ -8,6 +8,7 @@
 // RL_ENGINE_EXT_ATTENTION_PATH=sm80|simt forces one (tests, benchmarks); forcing a path the
 // device cannot run is an error, never a silent fallback.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -44,8 +45,23 @@ struct CudaBackend {
     const c10::cuda::CUDAGuard guard(t.device());
     const AttentionPath path = choose_path(op, dtype, p.head_dim, t.get_device());
     const gpuStream_t stream = at::cuda::getCurrentCUDAStream();
-    const gpuError_t err = path == AttentionPath::kSm80 ? attention_fwd_sm80(kernel_dtype(dtype), p, stream)
-                                                        : attention_fwd_simt(kernel_dtype(dtype), p, stream);
+    gpuError_t err;
+    if (path == AttentionPath::kSm80) {
+      // Split workspace: rows = lse elements = q elements / head_dim (every layout).
+      AttentionFwdWorkspace w;
+      w.slots = attention_fwd_sm80_split_slots(p);
+      at::Tensor buffer;
+      if (w.slots > 0) {
+        const int64_t rows = t.numel() / p.head_dim;
+        buffer = at::empty({rows * w.slots * (p.head_dim + 2)}, t.options().dtype(at::kFloat));
+        w.acc = buffer.mutable_data_ptr<float>();
+        w.ml = w.acc + rows * w.slots * p.head_dim;
+      }
+      if (p.max_q_len > 1) w.masked_nonfinite = p.status;
+      err = attention_fwd_sm80(kernel_dtype(dtype), p, w, stream);
+    } else {
+      err = attention_fwd_simt(kernel_dtype(dtype), p, stream);
+    }
     TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", path_name(path),
                 " attention forward launch failed: ", gpu_error_string(err));
   }
@@ -58,12 +74,26 @@ struct CudaBackend {
     TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", path_name(path),
                 " attention backward launch failed: ", gpu_error_string(err));
   }
-  // attention_kvcache(validate=False): lengths checked on the device, never read by the host.
-  static void check_cache_seqlens(const at::Tensor& lens, int64_t new_tokens, int64_t capacity) {
+  // Host-built descriptors: pinned and copied asynchronously, so the op does not synchronise the
+  // stream. Under graph capture the copy would replay from a host buffer reused since: refused.
+  static at::Tensor to_device(const at::Tensor& host, const at::Tensor& like) {
+    TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+                "rl_align: attention, attention_varlen and attention_kvcache(validate=True) build their sequence "
+                "descriptors on the host and cannot be captured in a CUDA graph; use "
+                "attention_kvcache(..., validate=False) or attention_varlen(..., validate=False)");
+    return host.pin_memory().to(like.device(), /*non_blocking=*/true);
+  }
+  // attention_kvcache(validate=False): descriptors built and lengths checked on the device.
+  static at::Tensor kvcache_seqs(const at::Tensor& lens, const KvcacheStrides& st) {
     const c10::cuda::CUDAGuard guard(lens.device());
-    check_launch("attention_kvcache", attention_check_cache_seqlens(lens.const_data_ptr<int64_t>(), lens.numel(),
-                                                                    new_tokens, capacity,
-                                                                    at::cuda::getCurrentCUDAStream()));
+    const bool narrow = lens.scalar_type() == at::kInt;
+    const at::Tensor l = narrow ? lens.contiguous() : lens.to(at::kLong).contiguous();
+    at::Tensor seqs = at::empty({l.numel() * kAttentionSeqFields + 1}, l.options().dtype(at::kLong));
+    check_launch("attention_kvcache",
+                 attention_kvcache_seqs(l.const_data_ptr(), !narrow, l.numel(), st.q, st.kv, st.lse, st.new_tokens,
+                                        st.capacity, seqs.mutable_data_ptr<int64_t>(),
+                                        at::cuda::getCurrentCUDAStream()));
+    return seqs;
   }
 };
 

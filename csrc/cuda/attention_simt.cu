@@ -603,23 +603,40 @@ gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& gp, gpuSt
 
 namespace {
 
-__global__ void check_cache_seqlens_kernel(const int64_t* lens, int64_t batch, int64_t new_tokens,
-                                           int64_t capacity) {
+template <typename I>
+__global__ void kvcache_seqs_kernel(const I* lens, int64_t batch, int64_t q_stride, int64_t kv_stride,
+                                    int64_t lse_stride, int64_t new_tokens, int64_t capacity, int64_t* seqs) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b < batch && (lens[b] < new_tokens || lens[b] > capacity)) {
-    fail_index_out_of_range("attention_kvcache", "cache_seqlens", lens[b], "a cache of ", capacity,
+  if (b == 0) seqs[batch * kAttentionSeqFields] = 0;  // the status word
+  if (b >= batch) return;
+  const int64_t len = static_cast<int64_t>(lens[b]);
+  if (len < new_tokens || len > capacity) {
+    fail_index_out_of_range("attention_kvcache", "cache_seqlens", len, "a cache of ", capacity,
                             " positions holding the new tokens");
   }
+  int64_t* f = seqs + b * kAttentionSeqFields;
+  f[kSeqQBase] = b * q_stride;
+  f[kSeqKvBase] = b * kv_stride;
+  f[kSeqLseBase] = b * lse_stride;
+  f[kSeqQLen] = new_tokens;
+  f[kSeqKvLen] = len;
 }
 
 }  // namespace
 
-gpuError_t attention_check_cache_seqlens(const int64_t* lens, int64_t batch, int64_t new_tokens,
-                                         int64_t capacity, gpuStream_t stream) {
+gpuError_t attention_kvcache_seqs(const void* lens, bool lens_int64, int64_t batch, int64_t q_stride,
+                                  int64_t kv_stride, int64_t lse_stride, int64_t new_tokens, int64_t capacity,
+                                  int64_t* seqs, gpuStream_t stream) {
   if (batch == 0) return kGpuSuccess;
   constexpr int kThreads = 128;
-  check_cache_seqlens_kernel<<<static_cast<unsigned>(ceil_div(batch, kThreads)), kThreads, 0, stream>>>(
-      lens, batch, new_tokens, capacity);
+  const unsigned blocks = static_cast<unsigned>(ceil_div(batch, kThreads));
+  if (lens_int64) {
+    kvcache_seqs_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(lens), batch, q_stride,
+                                                         kv_stride, lse_stride, new_tokens, capacity, seqs);
+  } else {
+    kvcache_seqs_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(lens), batch, q_stride,
+                                                         kv_stride, lse_stride, new_tokens, capacity, seqs);
+  }
   return gpu_last_error();
 }
 

@@ -104,9 +104,12 @@ inline at::Tensor same_layout(const at::Tensor& t, const at::Tensor& like) {
   return at::empty_like(like).copy_(t);
 }
 
-inline at::Tensor seqs_tensor(const std::vector<int64_t>& seqs, const at::Tensor& like) {
-  const int64_t n = static_cast<int64_t>(seqs.size()) / kAttentionSeqFields;
-  return at::tensor(seqs, at::TensorOptions().dtype(at::kLong)).view({n, kAttentionSeqFields}).to(like.device());
+// Descriptors built on the host, followed by the zero status word (AttentionProblem::status), on
+// like's device through Backend::to_device (no stream synchronisation on CUDA).
+template <typename Backend>
+at::Tensor seqs_tensor(std::vector<int64_t> seqs, const at::Tensor& like) {
+  seqs.push_back(0);
+  return Backend::to_device(at::tensor(seqs, at::TensorOptions().dtype(at::kLong)), like);
 }
 
 struct SeqDesc {
@@ -148,6 +151,7 @@ inline AttentionProblem make_problem(const SeqBounds& bounds, const at::Tensor& 
   p.max_q_len = bounds.max_q_len;
   p.max_kv_len = bounds.max_kv_len;
   p.seqs = seqs_dev.const_data_ptr<int64_t>();
+  p.status = seqs_dev.mutable_data_ptr<int64_t>() + p.num_seqs * kAttentionSeqFields;
   p.q = q.const_data_ptr();
   p.q_stride_token = q.stride(q_token_dim);
   p.q_stride_head = q.stride(q_head_dim);
@@ -264,7 +268,8 @@ struct AttentionLayout {
   int64_t lse_stride_head;
 };
 
-// seqs_dev: [num_seqs][kAttentionSeqFields] int64 on q's device, within `bounds`.
+// seqs_dev: [num_seqs][kAttentionSeqFields] int64 and the zero status word, on q's device,
+// within `bounds`.
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const AttentionOperands& x,
                                                         const SeqBounds& bounds, const at::Tensor& seqs_dev,
@@ -293,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const At
                                                         const AttentionLayout& layout, double scale,
                                                         bool causal, bool any_padding) {
   const SeqBounds bounds = seq_bounds(seqs);
-  const at::Tensor seqs_dev = x.q.numel() == 0 || bounds.max_q_len == 0 ? at::Tensor() : seqs_tensor(flatten(seqs), x.q);
+  const at::Tensor seqs_dev = x.q.numel() == 0 || bounds.max_q_len == 0 ? at::Tensor() : seqs_tensor<Backend>(flatten(seqs), x.q);
   return attention_fwd_common<Backend>(op, x, bounds, seqs_dev, layout, scale, causal, any_padding);
 }
 
@@ -332,7 +337,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
   const at::Tensor on = same_layout(out, q);
   const at::Tensor lsen = lse.contiguous();
   at::Tensor delta = at::empty_like(lsen);
-  const at::Tensor seqs_dev = seqs_tensor(flatten(seqs), q);
+  const at::Tensor seqs_dev = seqs_tensor<Backend>(flatten(seqs), q);
   AttentionGradProblem g;
   g.fwd = make_problem(bounds, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
                        layout.lse_stride_head, scale, causal);
@@ -421,6 +426,13 @@ inline void check_cache_seqlen(int64_t b, int64_t len, int64_t new_tokens, int64
                     " positions)");
 }
 
+// attention_kvcache(validate=False): the per-batch-row offsets of the descriptors a Backend's
+// kvcache_seqs builds where the lengths are, with the bounds it checks them against.
+struct KvcacheStrides {
+  int64_t q, kv, lse;       // element offset of batch row b: b * this, in q (and out), k/v, lse
+  int64_t new_tokens, capacity;  // cache_seqlens[b] must lie in [new_tokens, capacity]
+};
+
 // KV cache: q [B, Hq, n, D] holds positions kv_len[b]-n .. kv_len[b]-1 of sequence b, whose keys
 // and values 0 .. kv_len[b]-1 are in k_cache/v_cache [B, Hkv, S_max, D] (the new ones included).
 // validate: the lengths are read and checked on the host (a ValueError), one device-to-host copy.
@@ -445,12 +457,9 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
                     " positions)");
   if (!validate) {
     check_index_tensor(op, "cache_seqlens", cache_seqlens, q);
-    const at::Tensor lens = cache_seqlens.to(at::kLong).contiguous();
-    if (batch > 0) Backend::check_cache_seqlens(lens, n, s_max);
     const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
-    const at::Tensor b = at::arange(batch, lens.options());
-    const at::Tensor seqs_dev = at::stack({b * x.q.stride(0), b * x.k.stride(0), b * (q.size(1) * n),
-                                           at::full_like(b, n), lens}, 1).contiguous();
+    const at::Tensor seqs_dev =
+        Backend::kvcache_seqs(cache_seqlens, KvcacheStrides{x.q.stride(0), x.k.stride(0), q.size(1) * n, n, s_max});
     return attention_fwd_common<Backend>(op, x, SeqBounds{batch, n, s_max}, seqs_dev, padded_layout(q), s, true,
                                          false);
   }
