@@ -12,10 +12,10 @@
 //           from the first that can see the tile (causal) to the last, increasing, each taken
 //           as sub-blocks of SUB_M queries. Per sub-block:
 //             S^T  = K Q^T                        (keys x queries, the warp's 16 keys)
-//             P^T  = ex2(S^T scale log2(e) - lse log2(e))     masked -> 0
+//             P^T  = ex2(S^T scale log2(e) - lse log2(e))     masked -> +0 (selected)
 //             dV  += P^T dO                       (P rounded to the input dtype, mma A operand)
 //             dP^T = V dO^T
-//             dS^T = P^T (dP^T - delta)
+//             dS^T = P^T (dP^T - delta)               masked -> +0 (selected)
 //             dK  += dS^T Q                       (dS rounded to the input dtype)
 //           and at the end dK *= scale; dK, dV rounded once to the input dtype.
 //   dQ      CTA = (sequence, query head h, tile of BLOCK_M queries); warp w owns queries
@@ -42,6 +42,20 @@
 // hold no allowed (query, key) pair for a whole warp are skipped; one that holds some adds
 // P = 0 (selected, not computed) for the masked pairs, i.e. products +-0, which leave an fp32
 // accumulator's bits unchanged (x + 0 = x; +0 + -0 = +0; accumulators start at +0).
+//
+// Non-finite masked inputs. A masked pair's k_j, v_j (dQ) or q_i, dO_i, lse_i, delta_i (dK/dV)
+// may hold Inf/NaN that the row must not see. S, P, dP, dS of the pair may then be Inf/NaN, so
+// P and dS are selected to +0 (dS = P (dP - delta) would be 0 * NaN). In dQ += dS K,
+// dV += P^T dO, dK += dS^T Q a masked A entry (+0) still meets the partner's B row (k_j, dO_i,
+// q_i), and 0 * Inf = NaN. Off the causal diagonal the only masked partners lie past q_len /
+// kv_len, zero fill, so only diagonal blocks (DIAG below) need more: there the B chunks holding a
+// masked pair are tested for Inf/NaN (masked_b_nonfinite: one ldmatrix pass, one vote), and where
+// one is found the product runs as gemm_acc_k_rows_masked, which zeroes B outside each row's
+// allowed k. Each row then gets the same mma sequence with the same allowed products; only its
+// masked products change, from +0 * finite (+-0) to +0 * +0. That keeps the bits if the tensor
+// core's sum ignores exact-zero products (the premise of the paragraph above too: a masked
+// partner's finite values must not change the row either); the sign of zero cannot matter, as a
+// sum holding a +0 (accumulators start at +0 and are never -0) is +0 when exact zero.
 #include "attention_kernels.h"
 #include "attention_sm80_common.h"
 #include "../primitives/mma_sm80.h"
@@ -49,6 +63,7 @@
 #if !RL_ALIGN_HIP
 
 #include <atomic>
+#include <type_traits>
 
 namespace rl_align {
 namespace {
@@ -205,6 +220,110 @@ __device__ __forceinline__ void gemm_acc_k(float (&acc)[D_TILES][4], const uint3
       Mma<T>::run(acc[2 * dp + 1], a[kc], b1);
     }
   }
+}
+
+// Bits 15 / 31 of the result set iff that 16-bit half of x is Inf or NaN (exponent all ones:
+// bf16 0x7F80, fp16 0x7C00): ~x & E is then 0 in that half and subtracting 1 borrows into its top
+// bit. A finite half leaves a nonzero multiple of 0x80 (bf16) / 0x400 (fp16) below 0x8000 there,
+// which stays below 0x8000 after subtracting 1 (or 2, with the borrow of a non-finite low half).
+template <typename T>
+__device__ __forceinline__ uint32_t nonfinite_bits(const uint32_t (&b)[4]) {
+  constexpr uint32_t kExp = std::is_same<T, half_t>::value ? 0x7C007C00u : 0x7F807F80u;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) bits |= (~b[i] & kExp) - 0x00010001u;
+  return bits & 0x80008000u;
+}
+
+// Rows of one mma with different masks inside a k16 chunk (the causal diagonal). Row r (0 .. 15)
+// of the warp may see, of k = 0 .. 16 K_STEPS - 1, those below edge = base + r (KEEP_LOW: dQ, k =
+// keys up to the row's last key) or from edge = base + r on (!KEEP_LOW: dK/dV, k = queries from the
+// key's position on). Chunk kc's count of allowed positions for the row (0 .. 16):
+template <bool KEEP_LOW>
+__device__ __forceinline__ int allowed_in_chunk(int edge, int kc) {
+  const int n = KEEP_LOW ? edge - kc * kMmaK : (kc + 1) * kMmaK - edge;
+  return n < 0 ? 0 : (n > kMmaK ? kMmaK : n);
+}
+
+// acc += A B as gemm_acc_k, each row summing its allowed k positions only, whatever B holds at
+// the others. Per chunk (increasing) and per count n = 0 .. 16 that some row of the warp has
+// there: B is zeroed outside that count's positions, the mma runs from the current accumulators
+// and only the rows with count n keep its result. So every row passes through exactly one mma per
+// chunk, as in gemm_acc_k (count 0 too: whatever the mma does to an accumulator with no nonzero
+// product, e.g. an fp32 subnormal, it does on both paths), with the same allowed products; its
+// masked A entries (+0, selected) meet +0 here where they met finite B (+-0 products) there.
+// B fragment (bk pattern): b[0], b[2] hold k = 2t (low half), 2t + 1 of the chunk; b[1], b[3]
+// k = 2t + 8, 2t + 9. Loops not unrolled but over the n8 tiles (runtime indices of a, acc would
+// put them in local memory): the slow path, taken only where masked_b_nonfinite says so.
+template <typename T, int K_STEPS, int D_TILES, int PITCH_BYTES, bool KEEP_LOW>
+__device__ __forceinline__ void gemm_acc_k_rows_masked(float (&acc)[D_TILES][4], const uint32_t (&a)[K_STEPS][4],
+                                                       uint32_t b_lane, int base, int g, int t) {
+#pragma unroll 1
+  for (int kc = 0; kc < K_STEPS; ++kc) {
+    // a[kc], selected (indexing a at a runtime kc would put it in local memory).
+    uint32_t ak[4] = {a[0][0], a[0][1], a[0][2], a[0][3]};
+#pragma unroll
+    for (int c = 1; c < K_STEPS; ++c) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ak[r] = c == kc ? a[c][r] : ak[r];
+    }
+    const int allowed0 = allowed_in_chunk<KEEP_LOW>(base + g, kc);      // row g
+    const int allowed1 = allowed_in_chunk<KEEP_LOW>(base + g + 8, kc);  // row g + 8
+#pragma unroll 1
+    for (int n = 0; n <= kMmaK; ++n) {
+      const bool take0 = allowed0 == n, take1 = allowed1 == n;
+      if (!__any_sync(0xffffffffu, take0 || take1)) continue;  // warp-uniform
+      const int begin = KEEP_LOW ? 0 : kMmaK - n;  // the count's k positions: begin .. begin + n - 1
+      auto keep = [&](int k) -> uint32_t {
+        return static_cast<unsigned>(k - begin) < static_cast<unsigned>(n) ? 0xFFFFu : 0u;
+      };
+      const uint32_t m_lo = keep(2 * t) | keep(2 * t + 1) << 16;
+      const uint32_t m_hi = keep(2 * t + 8) | keep(2 * t + 9) << 16;
+#pragma unroll
+      for (int dp = 0; dp < D_TILES / 2; ++dp) {
+        uint32_t b[4];
+        __syncwarp();  // keeps ptxas from hoisting all the loads of the pass (spills at head_dim 128)
+        ldmatrix_x4<true>(b, b_lane + kc * kMmaK * PITCH_BYTES + dp * 2 * kMmaN * kElemBytes);
+        // n8 tiles 2 dp (b[0], b[1]) and 2 dp + 1 (b[2], b[3]), one at a time.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float (&c)[4] = acc[2 * dp + h];
+          const uint32_t bm[2] = {b[2 * h] & m_lo, b[2 * h + 1] & m_hi};
+          float d[4] = {c[0], c[1], c[2], c[3]};
+          Mma<T>::run(d, ak, bm);
+          // Selects, not branches: every lane runs every mma.
+          c[0] = take0 ? d[0] : c[0];
+          c[1] = take0 ? d[1] : c[1];
+          c[2] = take1 ? d[2] : c[2];
+          c[3] = take1 ? d[3] : c[3];
+        }
+      }
+    }
+  }
+}
+
+// Whether a chunk of the gemm_acc_k B operand (K_STEPS chunks of 16 k rows from b_lane) that holds
+// a masked (row, k) pair has an Inf or NaN anywhere in its fragments (warp-uniform: one ldmatrix
+// pass over those chunks, one vote). base as above, warp-uniform: chunk kc holds a masked pair iff
+// the warp's most masked row (row 0 for KEEP_LOW, else row 15) is masked there. Where none is
+// found the plain gemm_acc_k adds only +-0 products for masked pairs; where one is,
+// gemm_acc_k_rows_masked keeps the B entries of masked pairs out of every row's mma.
+template <typename T, int K_STEPS, int D_TILES, int PITCH_BYTES, bool KEEP_LOW>
+__device__ __forceinline__ bool masked_b_nonfinite(uint32_t b_lane, int base) {
+  const int warp_edge = KEEP_LOW ? base : base + kMmaM - 1;
+  uint32_t bits = 0;
+#pragma unroll 1
+  for (int kc = 0; kc < K_STEPS; ++kc) {
+    const bool masked = KEEP_LOW ? warp_edge < (kc + 1) * kMmaK : warp_edge > kc * kMmaK;
+    if (!masked) continue;  // warp-uniform
+#pragma unroll
+    for (int dp = 0; dp < D_TILES / 2; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4<true>(b, b_lane + kc * kMmaK * PITCH_BYTES + dp * 2 * kMmaN * kElemBytes);
+      bits |= nonfinite_bits<T>(b);
+    }
+  }
+  return __any_sync(0xffffffffu, bits != 0);
 }
 
 #endif  // RL_ALIGN_SM80_DEVICE
@@ -397,8 +516,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           // Masking, where some pair of the warp's sub-block may be masked (queries past q_len,
           // or causal with the warp's last key after the first query): query column
           // c = 8 nt + e % 2 (relative to qstart + 2t) is allowed for key row hh iff
-          // lo[hh] <= c <= hi.
-          if (qstart + SUB_M > q_len || (p.causal && warp_key0 + kMmaM - 1 > first_pos + qstart)) {
+          // lo[hh] <= c <= hi. Masked P^T and dS^T are selected to +0 (dS^T = P^T (dP^T - delta)
+          // would be 0 * NaN where a masked query's dO, or its delta, is not finite).
+          const bool causal_diag = p.causal && warp_key0 + kMmaM - 1 > first_pos + qstart;
+          const bool sub_masked = qstart + SUB_M > q_len || causal_diag;
+          auto mask_sub = [&](float (&x)[QT][4]) {
             const int hi = q_len - 1 - qstart - 2 * t;
             int lo[2];
 #pragma unroll
@@ -410,34 +532,57 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int c = nt * kMmaN + e % 2;
-                if (c > hi || c < lo[e / 2]) pt[nt][e] = 0.f;
+                if (c > hi || c < lo[e / 2]) x[nt][e] = 0.f;
               }
             }
-          }
-          // dV += P^T dO over the sub-block's k16 query chunks, increasing.
-          {
-            uint32_t pa[QS][4];
+          };
+          if (sub_masked) mask_sub(pt);
+          // dV += P^T dO; dP^T = V dO^T; dS^T = P^T (dP^T - delta); dK += dS^T Q, over the
+          // sub-block's k16 query chunks, increasing; masked dS^T selected to +0 too (dP^T of a
+          // masked pair is NaN where the query's dO or the key's own v is not finite). Two
+          // copies: DIAG (causal_diag) and the rest, whose only masked queries lie past q_len,
+          // zero fill (Q, dO, lse, delta), which meet P^T = dS^T = +0 as +0. On the diagonal key
+          // row r sees the queries from base + r (relative to qstart) on, and the products take
+          // gemm_acc_k_rows_masked where a masked dO / Q row may be non-finite.
+          auto tail = [&](auto diag_tag) {
+            constexpr bool DIAG = decltype(diag_tag)::value;
+            const int base = warp_key0 - first_pos - qstart;
+            {
+              uint32_t pa[QS][4];
 #pragma unroll
-            for (int kc = 0; kc < QS; ++kc) c_to_a<T>(pa[kc], pt[2 * kc], pt[2 * kc + 1]);
-            gemm_acc_k<T, QS, DT, PITCH>(dv_acc, pa, q_bk_lane + do_off);
-          }
-          // dP^T = V dO^T; dS^T = P^T (dP^T - delta).
-          float dst[QT][4];
-          gemm_rows_d<T, Cfg::D_STEPS, QT, PITCH>(dst, v_lane, q_bn_lane + do_off);
-#pragma unroll
-          for (int nt = 0; nt < QT; ++nt) {
-            const float2 delta2 = *reinterpret_cast<const float2*>(delta_sub + nt * kMmaN + 2 * t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              dst[nt][e] = __fmul_rn(pt[nt][e], __fsub_rn(dst[nt][e], e % 2 ? delta2.y : delta2.x));
+              for (int kc = 0; kc < QS; ++kc) c_to_a<T>(pa[kc], pt[2 * kc], pt[2 * kc + 1]);
+              if (DIAG && masked_b_nonfinite<T, QS, DT, PITCH, false>(q_bk_lane + do_off, base)) {
+                gemm_acc_k_rows_masked<T, QS, DT, PITCH, false>(dv_acc, pa, q_bk_lane + do_off, base, g, t);
+              } else {
+                gemm_acc_k<T, QS, DT, PITCH>(dv_acc, pa, q_bk_lane + do_off);
+              }
             }
-          }
-          // dK += dS^T Q over the sub-block's k16 query chunks, increasing.
-          {
-            uint32_t dsa[QS][4];
+            float dst[QT][4];
+            gemm_rows_d<T, Cfg::D_STEPS, QT, PITCH>(dst, v_lane, q_bn_lane + do_off);
 #pragma unroll
-            for (int kc = 0; kc < QS; ++kc) c_to_a<T>(dsa[kc], dst[2 * kc], dst[2 * kc + 1]);
-            gemm_acc_k<T, QS, DT, PITCH>(dk_acc, dsa, q_bk_lane + q_off);
+            for (int nt = 0; nt < QT; ++nt) {
+              const float2 delta2 = *reinterpret_cast<const float2*>(delta_sub + nt * kMmaN + 2 * t);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                dst[nt][e] = __fmul_rn(pt[nt][e], __fsub_rn(dst[nt][e], e % 2 ? delta2.y : delta2.x));
+              }
+            }
+            if (sub_masked) mask_sub(dst);
+            {
+              uint32_t dsa[QS][4];
+#pragma unroll
+              for (int kc = 0; kc < QS; ++kc) c_to_a<T>(dsa[kc], dst[2 * kc], dst[2 * kc + 1]);
+              if (DIAG && masked_b_nonfinite<T, QS, DT, PITCH, false>(q_bk_lane + q_off, base)) {
+                gemm_acc_k_rows_masked<T, QS, DT, PITCH, false>(dk_acc, dsa, q_bk_lane + q_off, base, g, t);
+              } else {
+                gemm_acc_k<T, QS, DT, PITCH>(dk_acc, dsa, q_bk_lane + q_off);
+              }
+            }
+          };
+          if (causal_diag) {
+            tail(std::true_type{});
+          } else {
+            tail(std::false_type{});
           }
         }
         stage = stage + 1 == STAGES ? 0 : stage + 1;
@@ -579,10 +724,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) sp[nt][e] = ex2(__fmaf_rn(sp[nt][e], scale_log2, -lse_l2[e / 2]));
           }
-          // Masking, where some key of the block is past kv_len or (causal) past the warp's first
-          // query: key column c = 8 nt + e % 2 (relative to key0 + 2t) is allowed for row hh iff
-          // c <= last_key[hh] - key0 - 2t.
-          if (key0 + kKeyBlock > kv_len || (p.causal && key0 + kKeyBlock - 1 > first_pos + warp_row0)) {
+          // Masking: key column c = 8 nt + e % 2 (relative to key0 + 2t) is allowed for row hh iff
+          // c <= last_key[hh] - key0 - 2t. Masked entries are selected to +0 (never multiplied:
+          // S, P and dP of a masked key with a non-finite k or v are Inf / NaN).
+          auto mask_block = [&](float (&x)[KT][4]) {
             int limit[2];
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) limit[hh] = last_key[hh] - key0 - 2 * t;
@@ -590,23 +735,44 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             for (int nt = 0; nt < KT; ++nt) {
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                if (nt * kMmaN + e % 2 > limit[e / 2]) sp[nt][e] = 0.f;
+                if (nt * kMmaN + e % 2 > limit[e / 2]) x[nt][e] = 0.f;
               }
             }
+          };
+          // P masked; dP = dO V^T; dS = P (dP - delta); dQ += dS K over the block's k16 key
+          // chunks, increasing; masked dS selected to +0 too (dP of a masked pair is NaN where
+          // the key's v or the row's own dO is not finite). Two copies: DIAG (some key of the
+          // block past the warp's first query) and the rest, whose only masked keys lie past
+          // kv_len, zero fill, which meet dS = +0 as +0. On the diagonal query row r sees the keys
+          // below base + r (relative to key0; rows past q_len, never stored, are taken the same
+          // way), and dS K takes gemm_acc_k_rows_masked where a masked K row may be non-finite.
+          auto tail = [&](auto diag_tag) {
+            constexpr bool DIAG = decltype(diag_tag)::value;
+            const bool masked = DIAG || key0 + kKeyBlock > kv_len;
+            if (masked) mask_block(sp);
+            float ds[KT][4];
+            gemm_rows_d<T, Cfg::D_STEPS, KT, PITCH>(ds, do_lane, k_bn_lane + stage_off + Cfg::KV_TILE_BYTES);
+#pragma unroll
+            for (int nt = 0; nt < KT; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) ds[nt][e] = __fmul_rn(sp[nt][e], __fsub_rn(ds[nt][e], delta_r[e / 2]));
+            }
+            if (masked) mask_block(ds);
+            uint32_t dsa[KS][4];
+#pragma unroll
+            for (int kc = 0; kc < KS; ++kc) c_to_a<T>(dsa[kc], ds[2 * kc], ds[2 * kc + 1]);
+            const int base = first_pos + warp_row0 + 1 - key0;
+            if (DIAG && masked_b_nonfinite<T, KS, DT, PITCH, true>(k_bk_lane + stage_off, base)) {
+              gemm_acc_k_rows_masked<T, KS, DT, PITCH, true>(dq_acc, dsa, k_bk_lane + stage_off, base, g, t);
+            } else {
+              gemm_acc_k<T, KS, DT, PITCH>(dq_acc, dsa, k_bk_lane + stage_off);
+            }
+          };
+          if (p.causal && key0 + kKeyBlock - 1 > first_pos + warp_row0) {
+            tail(std::true_type{});
+          } else {
+            tail(std::false_type{});
           }
-          // dP = dO V^T; dS = P (dP - delta).
-          float ds[KT][4];
-          gemm_rows_d<T, Cfg::D_STEPS, KT, PITCH>(ds, do_lane, k_bn_lane + stage_off + Cfg::KV_TILE_BYTES);
-#pragma unroll
-          for (int nt = 0; nt < KT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ds[nt][e] = __fmul_rn(sp[nt][e], __fsub_rn(ds[nt][e], delta_r[e / 2]));
-          }
-          // dQ += dS K over the block's k16 key chunks, increasing.
-          uint32_t dsa[KS][4];
-#pragma unroll
-          for (int kc = 0; kc < KS; ++kc) c_to_a<T>(dsa[kc], ds[2 * kc], ds[2 * kc + 1]);
-          gemm_acc_k<T, KS, DT, PITCH>(dq_acc, dsa, k_bk_lane + stage_off);
         }
         stage = stage + 1 == STAGES ? 0 : stage + 1;
       }
