@@ -19,7 +19,9 @@
 //     (or queries) of a block in increasing order, blocks in increasing order.
 //   forward: the recurrence of attention_problem.h with expf / logf; masked keys get
 //     scale s_j = -inf, so p_j = 0; fused steps: l = fmaf(l, alpha, sum p), and acc = acc * alpha
-//     then acc = fmaf(p_j, v_j, acc) for j in order.
+//     then acc = fmaf(p_j, v_j, acc) for j in order. KV splits of kAttentionKvSplit keys: a row
+//     merges each finished partial (split 0's copied) at the next split it reaches, and its last
+//     one at the end, by the contract's formula (merge_term: no fma).
 //   backward: delta, then dK/dV (CTA per key tile: the group's heads in increasing order, for
 //     each the query blocks in increasing order), then dQ (CTA per query tile: key blocks in
 //     increasing order). P = expf(fmaf(s, scale, -lse)) and dS = P (dP - delta), masked -> 0.
@@ -30,11 +32,11 @@
 // a row's arithmetic never depends on which thread row of the tile it sits in, on the other rows
 // of the tile, on strides or on max_q_len (grids only: every kernel loops to each sequence's own
 // q_len / kv_len). A CTA may run a key block in which some of its rows have no allowed key; it
-// adds p = 0 there: l * 1 + 0 = l, acc * 1 = acc, and fmaf(0, v, acc) = acc up to the sign of a
-// zero accumulator. Keys masked by causality are real data in a full prefill but zero fill past a
-// chunk's kv_len, so that sign is the one thing a chunk size could change: the forward output
-// adds +0 (-0 + 0 = +0) so that it never shows. Rows and keys past q_len / kv_len are zero fill
-// and are never written. No atomics.
+// adds p = 0 there: l * 1 + 0 = l, acc * 1 = acc. Masked pairs are selected out of every
+// accumulation (scores -inf, P and dS 0, and the MASKED tile_accumulate skips their fmaf), so a
+// NaN or Inf in data a row may not see changes none of its bits; blocks with no masked pair take
+// the unmasked tile_accumulate. Rows and keys past q_len / kv_len are zero fill and are never
+// written. No atomics.
 #include <cmath>
 
 #include "attention_kernels.h"
@@ -137,14 +139,23 @@ __device__ __forceinline__ void tile_dot(float (&s)[kMicro][kMicro], const T* a,
   }
 }
 
+// Which accumulation indices j (0..63, keys or queries of the block) enter row r's chains in a
+// block holding masked pairs: lo[r] <= j < hi[r] (the allowed pairs of every mask here form one
+// range per row).
+struct TileMask {
+  int lo[kMicro], hi[kMicro];
+};
+
 // acc[r][c] = fmaf(w[j][ty + 16 r], m[j][col0 + tx + 16 c], acc[r][c]) for j = 0 .. 63 in
-// increasing order. w is a transposed tile in shared memory (w[j * kPitch + row]), written before
-// the call; m row j is m[j * m_stride + col], valid for j < m_rows and col < dim, staged 16 rows
-// at a time. Leaves `stage` and w free (ends synchronised).
-template <typename T, int NC>
+// increasing order; with MASKED only for j in [mask.lo[r], mask.hi[r]): a masked pair is selected
+// out, so a non-finite m[j] it would have met (w = 0 there) changes nothing. w is a transposed tile
+// in shared memory (w[j * kPitch + row]), written before the call; m row j is
+// m[j * m_stride + col], valid for j < m_rows and col < dim, staged 16 rows at a time. Leaves
+// `stage` and w free (ends synchronised).
+template <typename T, int NC, bool MASKED>
 __device__ __forceinline__ void tile_accumulate(float (&acc)[kMicro][NC], const float* w, const T* m,
                                                 int64_t m_stride, int64_t m_rows, int col0, int dim,
-                                                float* stage) {
+                                                float* stage, const TileMask& mask) {
   constexpr int kCols = NC * kLanesPerRow;
   const int ty = threadIdx.x / kLanesPerRow, tx = threadIdx.x % kLanesPerRow;
   for (int j0 = 0; j0 < kTile; j0 += kDepth) {
@@ -160,13 +171,17 @@ __device__ __forceinline__ void tile_accumulate(float (&acc)[kMicro][NC], const 
 #pragma unroll
     for (int jj = 0; jj < kDepth; ++jj) {
       float wv[kMicro];
+      bool take[kMicro];
 #pragma unroll
-      for (int r = 0; r < kMicro; ++r) wv[r] = w[(j0 + jj) * kPitch + ty + kLanesPerRow * r];
+      for (int r = 0; r < kMicro; ++r) {
+        wv[r] = w[(j0 + jj) * kPitch + ty + kLanesPerRow * r];
+        take[r] = !MASKED || (mask.lo[r] <= j0 + jj && j0 + jj < mask.hi[r]);
+      }
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         const float mv = stage[jj * kCols + tx + kLanesPerRow * c];
 #pragma unroll
-        for (int r = 0; r < kMicro; ++r) acc[r][c] = fmaf(wv[r], mv, acc[r][c]);
+        for (int r = 0; r < kMicro; ++r) acc[r][c] = take[r] ? fmaf(wv[r], mv, acc[r][c]) : acc[r][c];
       }
     }
     __syncthreads();
@@ -177,14 +192,50 @@ __device__ __forceinline__ bool key_allowed(int64_t key, int64_t query_pos, int6
   return key < kv_len && (!causal || key <= query_pos);
 }
 
+// n clamped to [0, kTile]: a block-relative bound of a TileMask.
+__device__ __forceinline__ int block_bound(int64_t n) {
+  return n < 0 ? 0 : n > kTile ? kTile : static_cast<int>(n);
+}
+
+// p, with the compiler no longer knowing what it points to: an array reached through it stays in
+// (thread-local) memory instead of being promoted to registers.
+__device__ __forceinline__ float* local_memory(float* p) {
+#if RL_ALIGN_HIP
+  asm volatile("" : "+v"(p));
+#else
+  asm volatile("" : "+l"(p));
+#endif
+  return p;
+}
+
+// fl(fl(x a) + fl(y b)), never an fma: a term of the contract's split merge. HIP's __fmul_rn and
+// __fadd_rn are plain operators that clang contracts across the inlined calls, hence the pragma.
+__device__ __forceinline__ float merge_term(float x, float a, float y, float b) {
+#if RL_ALIGN_HIP
+#pragma clang fp contract(off)
+  return x * a + y * b;
+#else
+  return __fadd_rn(__fmul_rn(x, a), __fmul_rn(y, b));
+#endif
+}
+
+// The contract's merge scale of a state with max `from` into a merged max `to`: 1 when equal, so a
+// partial holding the maximum (or an -inf max meeting an -inf) is never scaled.
+__device__ __forceinline__ float merge_scale(float from, float to) { return from == to ? 1.f : expf(from - to); }
+
 // ------------------------------------------------------------------------------------------------
 // Forward: CTA = (sequence, query head, tile of 64 queries); grid-stride over all three.
 // ------------------------------------------------------------------------------------------------
 
+// Two CTAs per SM up to NC = 8 (128 registers, what ptxas chose for NC = 2..8 before the splits):
+// left free, it takes more for NC = 8 and drops to one CTA, or spills.
 template <typename T, int NC>
-__global__ void __launch_bounds__(kThreads) attention_fwd_simt_kernel(const AttentionProblem p) {
+__global__ void __launch_bounds__(kThreads, NC <= 8 ? 2 : 1) attention_fwd_simt_kernel(const AttentionProblem p) {
   __shared__ float probs[kTile * kPitch];  // probs[key][query row]
   __shared__ float stage[stage_floats(NC * kLanesPerRow)];
+  // The merged state (M, L, A) of the splits a row has finished, touched only at split boundaries
+  // and at the end: kept in thread-local memory rather than doubling the accumulator's registers.
+  float merged_state[kMicro * (NC + 2)];
   const int ty = threadIdx.x / kLanesPerRow, tx = threadIdx.x % kLanesPerRow;
   const int dim = static_cast<int>(p.head_dim);
   const int64_t group = p.heads_q / p.heads_kv;
@@ -204,6 +255,14 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_simt_kernel(const Atte
         const int64_t pos0 = kv_len - q_len + i0;  // position of the tile's row 0
         const T* q_tile = q + sq.q_base + i0 * p.q_stride_token + head * p.q_stride_head;
         const int64_t last_key = p.causal ? min64(pos0 + min64(rows, kTile) - 1, kv_len - 1) : kv_len - 1;
+        // One past the last key row r may see (key_allowed's bound), capped to the keys this tile
+        // visits (only padding rows reach further).
+        const auto key_end = [&](int r) {
+          const int64_t end = p.causal ? min64(pos0 + ty + kLanesPerRow * r + 1, kv_len) : kv_len;
+          return min64(end, last_key + 1);
+        };
+        // A block ending by full_end holds no masked pair (the tile's row 0 sees the fewest keys).
+        const int64_t full_end = p.causal ? min64(pos0 + 1, kv_len) : kv_len;
 
         float m[kMicro], l[kMicro], acc[kMicro][NC];
 #pragma unroll
@@ -215,6 +274,35 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_simt_kernel(const Atte
         }
 
         for (int64_t key0 = 0; key0 <= last_key; key0 += kTile) {
+          if (key0 != 0 && key0 % kAttentionKvSplit == 0) {
+            // Split boundary: a row that reaches the new split folds its finished partial into
+            // its merged state (the first one is copied: merging starts from split 0's partial)
+            // and starts a fresh one; a row that does not keeps its partial, which the split's
+            // blocks, all masked for it, leave unchanged.
+#pragma unroll
+            for (int r = 0; r < kMicro; ++r) {
+              if (key_end(r) <= key0) continue;
+              float* merged = local_memory(merged_state);
+              if (key0 == kAttentionKvSplit) {
+                merged[r] = m[r];
+                merged[kMicro + r] = l[r];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) merged[2 * kMicro + r * NC + c] = acc[r][c];
+              } else {
+                const float big_m = merged[r];
+                const float new_m = fmaxf(big_m, m[r]);
+                const float a = merge_scale(big_m, new_m), b = merge_scale(m[r], new_m);
+                merged[r] = new_m;
+                merged[kMicro + r] = merge_term(merged[kMicro + r], a, l[r], b);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) merged[2 * kMicro + r * NC + c] = merge_term(merged[2 * kMicro + r * NC + c], a, acc[r][c], b);
+              }
+              m[r] = -INFINITY;
+              l[r] = 0.f;
+#pragma unroll
+              for (int c = 0; c < NC; ++c) acc[r][c] = 0.f;
+            }
+          }
           float s[kMicro][kMicro];
           tile_dot(s, q_tile, p.q_stride_token, rows, k + kv_offset + key0 * p.kv_stride_token,
                    p.kv_stride_token, kv_len - key0, dim, stage);
@@ -229,7 +317,8 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_simt_kernel(const Atte
               scaled[c] = key_allowed(key, pos, kv_len, p.causal) ? s[r][c] * p.scale : -INFINITY;
               block_max = fmaxf(block_max, scaled[c]);
             }
-            // Block 0 holds key 0, allowed for every row: m is finite from then on.
+            // A split's first block holds its first key, allowed for every row that starts a
+            // partial there: m is finite from then on (alpha = 1 in blocks masked for the row).
             const float m_new = fmaxf(m[r], row_max(block_max));
             const float alpha = expf(m[r] - m_new);
             float sum = 0.f;
@@ -245,10 +334,35 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_simt_kernel(const Atte
             m[r] = m_new;
           }
           // tile_accumulate synchronises after staging, before it reads probs.
-          tile_accumulate<T, NC>(acc, probs, v + kv_offset + key0 * p.kv_stride_token, p.kv_stride_token,
-                                 kv_len - key0, 0, dim, stage);
+          const T* v_block = v + kv_offset + key0 * p.kv_stride_token;
+          if (key0 + kTile <= full_end) {
+            tile_accumulate<T, NC, false>(acc, probs, v_block, p.kv_stride_token, kv_len - key0, 0, dim, stage,
+                                          TileMask{});
+          } else {
+            TileMask mask;
+#pragma unroll
+            for (int r = 0; r < kMicro; ++r) {
+              mask.lo[r] = 0;
+              mask.hi[r] = block_bound(key_end(r) - key0);
+            }
+            tile_accumulate<T, NC, true>(acc, probs, v_block, p.kv_stride_token, kv_len - key0, 0, dim, stage,
+                                         mask);
+          }
         }
 
+#pragma unroll
+        for (int r = 0; r < kMicro; ++r) {
+          // A row past split 0 merges its last partial; (m, l, acc) become the merged state.
+          if (key_end(r) <= kAttentionKvSplit) continue;
+          float* merged = local_memory(merged_state);
+          const float big_m = merged[r];
+          const float new_m = fmaxf(big_m, m[r]);
+          const float a = merge_scale(big_m, new_m), b = merge_scale(m[r], new_m);
+          l[r] = merge_term(merged[kMicro + r], a, l[r], b);
+#pragma unroll
+          for (int c = 0; c < NC; ++c) acc[r][c] = merge_term(merged[2 * kMicro + r * NC + c], a, acc[r][c], b);
+          m[r] = new_m;
+        }
 #pragma unroll
         for (int r = 0; r < kMicro; ++r) {
           const int row = ty + kLanesPerRow * r;
@@ -257,7 +371,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_simt_kernel(const Atte
 #pragma unroll
           for (int c = 0; c < NC; ++c) {
             const int col = tx + kLanesPerRow * c;
-            // + 0.f: a zero output is +0 whatever sign its accumulator's zero had (see top).
+            // + 0.f: a zero output is +0 whatever the sign of its accumulator's zero.
             if (col < dim) out_row[col] = Convert<T>::from_float(acc[r][c] / l[r] + 0.f);
           }
           if (tx == 0) p.lse[sq.lse_base + head * p.lse_stride_head + i0 + row] = m[r] + logf(l[r]);
@@ -307,8 +421,10 @@ __global__ void __launch_bounds__(kThreads) attention_delta_simt_kernel(const At
 //   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q      (this CTA's columns of d);
 // at the end dK *= scale. Each element one fp32 accumulator, rounded once. Heads wider than
 // kMaxGradColumnGroups * 16 take several column slices, each recomputing S and dP.
+// Two CTAs per SM for NC <= 2 (the 128 registers ptxas chose before masked selection, which
+// otherwise spills in the query loop).
 template <typename T, int NC>
-__global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_simt_kernel(const AttentionGradProblem gp) {
+__global__ void __launch_bounds__(kThreads, NC <= 2 ? 2 : 1) attention_bwd_dkdv_simt_kernel(const AttentionGradProblem gp) {
   constexpr int kCols = NC * kLanesPerRow;
   __shared__ float probs[kTile * kPitch];       // probs[query][key row]
   __shared__ float grad_scores[kTile * kPitch];  // dS, the same layout
@@ -337,6 +453,20 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_simt_kernel(const
         const int64_t kv_offset = sq.kv_base + j0 * p.kv_stride_token + kv_head * p.kv_stride_head;
         // Query i sits at position kv_len - q_len + i; the first block holding one that sees key j0.
         const int64_t first_query = p.causal && j0 > kv_len - q_len ? j0 - (kv_len - q_len) : 0;
+        // Key row r sees the queries [its causal first, q_len): the block of queries from i0 as a
+        // TileMask (key rows past kv_len are never written). In a block at or past full_begin (the
+        // tile's last key's first query) every pair is allowed when no row or query is padding.
+        const auto query_mask = [&](int64_t i0) {
+          TileMask mask;
+#pragma unroll
+          for (int r = 0; r < kMicro; ++r) {
+            const int64_t key = j0 + ty + kLanesPerRow * r;
+            mask.lo[r] = p.causal ? block_bound(key - (kv_len - q_len) - i0) : 0;
+            mask.hi[r] = block_bound(q_len - i0);
+          }
+          return mask;
+        };
+        const int64_t full_begin = p.causal ? j0 + kTile - 1 - (kv_len - q_len) : 0;
 
         float dk_acc[kMicro][NC], dv_acc[kMicro][NC];
 #pragma unroll
@@ -366,8 +496,15 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_simt_kernel(const
                     allowed ? expf(fmaf(scores[r][c], p.scale, -lse)) : 0.f;
               }
             }
-            tile_accumulate<T, NC>(dv_acc, probs, dout + q_offset, p.q_stride_token, queries, col0, dim,
-                                   stage);
+            // Every pair of the tile is allowed, or the products of masked ones are selected out.
+            const bool full = j0 + kTile <= kv_len && i0 + kTile <= q_len && i0 >= full_begin;
+            if (full) {
+              tile_accumulate<T, NC, false>(dv_acc, probs, dout + q_offset, p.q_stride_token, queries, col0, dim,
+                                            stage, TileMask{});
+            } else {
+              tile_accumulate<T, NC, true>(dv_acc, probs, dout + q_offset, p.q_stride_token, queries, col0, dim,
+                                           stage, query_mask(i0));
+            }
             tile_dot(scores, v + kv_offset, p.kv_stride_token, keys, dout + q_offset, p.q_stride_token,
                      queries, dim, stage);
 #pragma unroll
@@ -382,8 +519,13 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_simt_kernel(const
                 grad_scores[at] = allowed ? probs[at] * (scores[r][c] - delta) : 0.f;
               }
             }
-            tile_accumulate<T, NC>(dk_acc, grad_scores, q + q_offset, p.q_stride_token, queries, col0,
-                                   dim, stage);
+            if (full) {
+              tile_accumulate<T, NC, false>(dk_acc, grad_scores, q + q_offset, p.q_stride_token, queries, col0,
+                                            dim, stage, TileMask{});
+            } else {
+              tile_accumulate<T, NC, true>(dk_acc, grad_scores, q + q_offset, p.q_stride_token, queries, col0,
+                                           dim, stage, query_mask(i0));
+            }
           }
         }
 
@@ -477,7 +619,22 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_simt_kernel(const A
               grad_scores[at] = allowed ? grad_scores[at] * (scores[r][c] - delta[r]) : 0.f;
             }
           }
-          tile_accumulate<T, NC>(acc, grad_scores, k + key_offset, p.kv_stride_token, keys, 0, dim, stage);
+          // No masked pair in the block (row 0 sees the fewest keys; no full_end kept live: it made
+          // ptxas spill in this loop).
+          if (key0 + kTile <= kv_len && (!p.causal || key0 + kTile - 1 <= pos0)) {
+            tile_accumulate<T, NC, false>(acc, grad_scores, k + key_offset, p.kv_stride_token, keys, 0, dim, stage,
+                                          TileMask{});
+          } else {
+            TileMask mask;
+#pragma unroll
+            for (int r = 0; r < kMicro; ++r) {
+              const int64_t end = p.causal ? min64(pos0 + ty + kLanesPerRow * r + 1, kv_len) : kv_len;
+              mask.lo[r] = 0;
+              mask.hi[r] = block_bound(end - key0);
+            }
+            tile_accumulate<T, NC, true>(acc, grad_scores, k + key_offset, p.kv_stride_token, keys, 0, dim, stage,
+                                         mask);
+          }
         }
 
 #pragma unroll
