@@ -2,10 +2,14 @@
 
 Prefill: B=8, Hq/Hkv = 32/8, D=128, S in {1024, 4096}, causal, bf16: rl_engine_ext.attention, fwd
 and fwd+bwd. TFLOP/s count the causal half: fwd 2 * 2 * B * Hq * S^2 * D / 2, fwd+bwd 3.5x that.
+Varlen prefill ("varlen"): one packed batch of mixed lengths (8192, 4100, 2049, 1500, 700, 300,
+64, 1), causal, fwd: rl_engine_ext.attention_varlen against SDPA run on each sequence in turn (no
+SDPA backend takes a packed batch); TFLOP/s count the causal half of every sequence.
 Decode (one query per sequence, the last position: no mask), the sampler's long tail and bulk:
 B x KV length in {1 x 32768, 4 x 16384, 8 x 8192, 16 x 4096, 64 x 1024, 64 x 4096, 64 x 16384}:
-rl_engine_ext.attention_kvcache; K/V read rate (2 * B * Hkv * L * D * bytes / time) against the
-measured copy bandwidth.
+rl_engine_ext.attention_kvcache(validate=False), the decode step a sampler runs (no host read of
+the lengths, CUDA-graph capturable); K/V read rate (2 * B * Hkv * L * D * bytes / time) against
+the measured copy bandwidth.
 
 References, each timed against ours A-B-B-A (common.bench_abba) in the same run: SDPA's default
 dispatch ("sdpa", what a user gets: cuDNN on the H100 build) and each backend pinned with
@@ -83,12 +87,13 @@ def fwd_bwd(fn, q, k, v, dout):
 
 
 def plot(rows: list[dict], path: str, title: str, copy_tbps: float) -> bool:
-    """Three panels: fwd and fwd+bwd TFLOP/s per shape, decode K/V read rate per KV length
+    """Four panels: fwd, fwd+bwd and varlen TFLOP/s per shape, decode K/V read rate per KV length
     (copy bandwidth dashed); one bar per provider."""
     plt = pyplot()
     if plt is None:
         return False
-    panels = [("fwd", "TFLOPs", "TFLOP/s"), ("fwd+bwd", "TFLOPs", "TFLOP/s"), ("decode", "bandwidth_TBps", "K/V read TB/s")]
+    panels = [("fwd", "TFLOPs", "TFLOP/s"), ("fwd+bwd", "TFLOPs", "TFLOP/s"), ("varlen", "TFLOPs", "TFLOP/s"),
+              ("decode", "bandwidth_TBps", "K/V read TB/s")]
     panels = [pn for pn in panels if any(r["mode"] == pn[0] and r["metric"] == pn[1] for r in rows)]
     if not panels:
         return False
@@ -117,9 +122,9 @@ def main() -> int:
     args = parser.parse_args()
     device = args.device
     if args.quick:
-        batch, seqs, d, decodes, rep_ms = 1, [64], 64, [(2, 128)], 10
+        batch, seqs, d, decodes, rep_ms, varlens = 1, [64], 64, [(2, 128)], 10, [70, 3, 1]
     else:
-        batch, seqs, d, rep_ms = 8, [1024, 4096], 128, 100
+        batch, seqs, d, rep_ms, varlens = 8, [1024, 4096], 128, 100, [8192, 4100, 2049, 1500, 700, 300, 64, 1]
         decodes = [(1, 32768), (4, 16384), (8, 8192), (16, 4096), (64, 1024), (64, 4096), (64, 16384)]
     dtype = torch.bfloat16
 
@@ -146,7 +151,14 @@ def main() -> int:
                 print(f"{mode:>8} {shape:>24} {name}: cannot run this shape, left out", flush=True)
                 continue
             fn, kk, vv = variant
-            pair = bench_abba(ours_fn, run(fn, kk, vv), device=device, rep_ms=rep_ms)
+            timed = run(fn, kk, vv)
+            try:  # the probe ran one shape; a packed row runs several (cuDNN refuses a length of 1)
+                timed()
+            except RuntimeError as err:
+                print(f"{mode:>8} {shape:>24} {name}: cannot run this shape ({str(err).splitlines()[0]}), left out",
+                      flush=True)
+                continue
+            pair = bench_abba(ours_fn, timed, device=device, rep_ms=rep_ms)
             out.add_pair("attention", shape, "bf16", mode, pair, reference=name, ratio_metric=f"ratio_vs_{name}",
                          per_side=per_side)
             print(f"{mode:>8} {shape:>24} ours {pair.ours.median_us:10.1f} us ({rate(pair.ours.median_us)})  "
@@ -173,13 +185,36 @@ def main() -> int:
         if device == "cuda":
             torch.cuda.empty_cache()
 
+    # Packed prefill of mixed lengths: ours in one call, SDPA per sequence (the same q/k/v views).
+    q = torch.randn(sum(varlens), HQ, d, generator=gen).to(device=device, dtype=dtype)
+    k, v = (torch.randn(sum(varlens), HKV, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    bounds = [0]
+    for n in varlens:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    views = [tuple(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)) for a, b in zip(bounds, bounds[1:])]
+
+    def per_sequence(fn, kk, vv):
+        # A backend without GQA got K/V expanded to the query heads: expand every view (untimed).
+        rep = kk.shape[1] // HKV
+        seqs = [(qs, ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)) if rep > 1 else (qs, ks, vs)
+                for qs, ks, vs in views]
+        return lambda: [fn(qs, ks, vs) for qs, ks, vs in seqs]
+
+    record("varlen", "mixed", f"T{sum(varlens)}_H{HQ}/{HKV}_mixed_D{d}",
+           lambda: rl_engine_ext.attention_varlen(q, k, v, cu, max(varlens)), *views[0], True,
+           lambda fn, kk, vv: per_sequence(fn, kk, vv), flops=sum(2 * 2 * HQ * n * n * d / 2 for n in varlens))
+    del q, k, v, views
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
     for dec_batch, length in decodes:
         q = torch.randn(dec_batch, HQ, 1, d, generator=gen).to(device=device, dtype=dtype)
         k, v = (torch.randn(dec_batch, HKV, length, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         lens = torch.full((dec_batch,), length, dtype=torch.int32, device=device)
         kv_bytes = 2 * dec_batch * HKV * length * d * q.element_size()
         record("decode", (dec_batch, length), f"B{dec_batch}_H{HQ}/{HKV}_L{length}_D{d}",
-               lambda: rl_engine_ext.attention_kvcache(q, k, v, lens), q, k, v, False,
+               lambda: rl_engine_ext.attention_kvcache(q, k, v, lens, validate=False), q, k, v, False,
                lambda fn, kk, vv: (lambda: fn(q, kk, vv)), kv_bytes=kv_bytes)
         del q, k, v, lens
         if device == "cuda":

@@ -240,15 +240,22 @@ def test_decode_without_host_validation(device, dtype):
 
 
 @pytest.mark.cuda
-def test_decode_step_captured_in_a_cuda_graph():
+@pytest.mark.parametrize("n, s_max, replays", [
+    (1, 300, ([5, 64, 65], [1, 300, 129], [200, 2, 63])),
+    # lengths across the KV split boundaries (2048, 4096): splits on separate CTAs, then the combine
+    (1, 4500, ([2048, 2049, 4500], [4097, 1, 2047], [4096, 300, 4099])),
+    # a chunk of new tokens: the exact-recompute relaunch reads the status word the kernel resets
+    (2, 4500, ([2, 2049, 4500], [4097, 3, 2048], [64, 4096, 2050])),
+])
+def test_decode_step_captured_in_a_cuda_graph(n, s_max, replays):
     """A decode step with validate=False captures in a CUDA graph (no host synchronisation) and,
     replayed with other lengths copied into the same cache_seqlens tensor, gives the eager bits."""
     dtype, device = torch.bfloat16, "cuda"
-    batch, hq, hkv, d, s_max = 3, 8, 2, 128, 300
-    q = randn(batch, hq, 1, d, dtype=dtype, device=device, seed=1)
+    batch, hq, hkv, d = 3, 8, 2, 128
+    q = randn(batch, hq, n, d, dtype=dtype, device=device, seed=1)
     k_cache = randn(batch, hkv, s_max, d, dtype=dtype, device=device, seed=2)
     v_cache = randn(batch, hkv, s_max, d, dtype=dtype, device=device, seed=3)
-    lens = torch.tensor([5, 64, 65], dtype=torch.int32, device=device)
+    lens = torch.tensor(replays[0], dtype=torch.int32, device=device)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the capture (one-time kernel setup)
@@ -257,12 +264,35 @@ def test_decode_step_captured_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True, validate=False)
-    for new in ([5, 64, 65], [1, 300, 129], [200, 2, 63]):
+    for new in replays:
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         want = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True)
         _assert_equal(out, want[0], f"replay {new} out")
         _assert_equal(lse, want[1], f"replay {new} lse")
+
+
+@pytest.mark.cuda
+def test_host_descriptor_ops_refuse_graph_capture():
+    """Ops that read lengths or build descriptors on the host raise a clear error under capture
+    (rather than a capture-invalidating host read or a replay of a stale host buffer)."""
+    q = randn(1, 4, 8, 64, dtype=torch.bfloat16, device="cuda", seed=1)
+    qp = q[0].transpose(0, 1).contiguous()
+    cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([8], device="cuda")
+    calls = {
+        "attention": lambda: rl_engine_ext.attention(q, q, q),
+        "attention_varlen": lambda: rl_engine_ext.attention_varlen(qp, qp, qp, cu),
+        "attention_kvcache": lambda: rl_engine_ext.attention_kvcache(q, q, q, lens),
+    }
+    for op, call in calls.items():
+        call()  # eager: fine
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match=rf"rl_align::{op} builds its sequence descriptors on the host "
+                                               r"and cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph):
+                call()
+        torch.cuda.synchronize()
 
 
 @pytest.mark.cuda

@@ -16,6 +16,7 @@ struct CpuBackend {
   static void bwd(const char*, at::ScalarType dtype, const AttentionGradProblem& p, const at::Tensor&) {
     attention_bwd_cpu(dtype, p);
   }
+  static void refuse_graph_capture(const char*) {}
   static at::Tensor to_device(const at::Tensor& host, const at::Tensor&) { return host; }
   // attention_kvcache(validate=False): host memory, so the lengths are checked as with validate.
   static at::Tensor kvcache_seqs(const at::Tensor& lens, const KvcacheStrides& st) {

@@ -74,13 +74,15 @@ struct CudaBackend {
     TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", path_name(path),
                 " attention backward launch failed: ", gpu_error_string(err));
   }
-  // Host-built descriptors: pinned and copied asynchronously, so the op does not synchronise the
-  // stream. Under graph capture the copy would replay from a host buffer reused since: refused.
-  static at::Tensor to_device(const at::Tensor& host, const at::Tensor& like) {
+  // Host-read lengths and host-built descriptors: under graph capture the reads would fail and the
+  // copy would replay from a host buffer reused since, so those ops refuse to be captured.
+  static void refuse_graph_capture(const char* op) {
     TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-                "rl_align: attention, attention_varlen and attention_kvcache(validate=True) build their sequence "
-                "descriptors on the host and cannot be captured in a CUDA graph; use "
-                "attention_kvcache(..., validate=False) or attention_varlen(..., validate=False)");
+                "rl_align::", op, " builds its sequence descriptors on the host and cannot be captured in a "
+                "CUDA graph; attention_kvcache(..., validate=False) can");
+  }
+  // Pinned and copied asynchronously: the op does not synchronise the stream.
+  static at::Tensor to_device(const at::Tensor& host, const at::Tensor& like) {
     return host.pin_memory().to(like.device(), /*non_blocking=*/true);
   }
   // attention_kvcache(validate=False): descriptors built and lengths checked on the device.

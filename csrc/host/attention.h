@@ -367,6 +367,7 @@ std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& padding_mask,
                                                   std::optional<double> scale, bool causal) {
   constexpr const char* op = "attention";
+  Backend::refuse_graph_capture(op);
   check_padded(op, q, k, v);
   const double s = attention_scale(op, scale, q.size(3));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
@@ -381,6 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& padding_mask,
     double scale, bool causal) {
   constexpr const char* op = "attention_backward";
+  Backend::refuse_graph_capture(op);
   check_padded(op, q, k, v);
   const AttentionLayout layout = padded_layout(q);
   check_backward_extras(op, grad_out, out, lse, q, layout.lse_shape);
@@ -398,6 +400,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_impl(const at::Tensor& q, co
                                                          std::optional<int64_t> max_seqlen,
                                                          std::optional<double> scale, bool causal) {
   constexpr const char* op = "attention_varlen";
+  Backend::refuse_graph_capture(op);
   check_varlen(op, q, k, v);
   const double s = attention_scale(op, scale, q.size(2));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
@@ -411,6 +414,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_impl(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens,
     std::optional<int64_t> max_seqlen, double scale, bool causal) {
   constexpr const char* op = "attention_varlen_backward";
+  Backend::refuse_graph_capture(op);
   check_varlen(op, q, k, v);
   const AttentionLayout layout = varlen_layout(q);
   check_backward_extras(op, grad_out, out, lse, q, layout.lse_shape);
@@ -463,6 +467,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
     return attention_fwd_common<Backend>(op, x, SeqBounds{batch, n, s_max}, seqs_dev, padded_layout(q), s, true,
                                          false);
   }
+  Backend::refuse_graph_capture(op);
   const std::vector<int64_t> lens = host_int64(op, "cache_seqlens", cache_seqlens, q);
   const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
   std::vector<SeqDesc> seqs;
