@@ -239,6 +239,77 @@ def test_decode_without_host_validation(device, dtype):
             rl_engine_ext.attention_kvcache(q, k_cache, v_cache, bad, validate=False)
 
 
+def test_packed_without_host_validation(device, dtype):
+    """attention_varlen(validate=False) (cu_seqlens never read on the host): the same bits as
+    validate=True, forward and backward, int32 and int64 cu_seqlens, max_seqlen exact or larger
+    (a larger grid only idles); the CPU still checks the values."""
+    hq, hkv, d, lengths = _config(device, dtype)
+    seqs = _sequences(lengths, hq, hkv, d, dtype, device)
+    (q, k, v, dout), cu = _packed(seqs, device)
+    want_out, want_lse, want_grads = _run_varlen(q, k, v, dout, cu)
+    for cu_dtype in (torch.int32, torch.int64):
+        for max_seqlen in (max(lengths), max(lengths) + 70):
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            out, lse = rl_engine_ext.attention_varlen(qq, kk, vv, cu.to(cu_dtype), max_seqlen, return_lse=True,
+                                                      validate=False)
+            out.backward(dout)
+            what = f"{cu_dtype} max_seqlen={max_seqlen}"
+            _assert_equal(out, want_out, f"{what} out")
+            _assert_equal(lse, want_lse, f"{what} lse")
+            for name, g, w in zip("qkv", (qq.grad, kk.grad, vv.grad), want_grads):
+                _assert_equal(g, w, f"{what} d{name}")
+    if device == "cpu":
+        with pytest.raises(ValueError, match=rf"has {max(lengths)} tokens, more than max_seqlen = {max(lengths) - 1}"):
+            rl_engine_ext.attention_varlen(q, k, v, cu, max(lengths) - 1, validate=False)
+
+
+@pytest.mark.cuda
+def test_packed_step_captured_in_a_cuda_graph():
+    """attention_varlen(validate=False) forward and backward capture in a CUDA graph and, replayed
+    with other sequence boundaries copied into the same cu_seqlens, give the eager bits."""
+    dtype, device = torch.bfloat16, "cuda"
+    hq, hkv, d, total, max_seqlen = 8, 2, 128, 2200, 2100
+    q, k, v, dout = (randn(total, h, d, dtype=dtype, device=device, seed=i) for i, h in enumerate((hq, hkv, hkv, hq)))
+    cu = torch.tensor([0, 100, 2100, 2200], dtype=torch.int32, device=device)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out, lse = rl_engine_ext.attention_varlen(*leaves, cu, max_seqlen, return_lse=True, validate=False)
+        grads = torch.autograd.grad(out, leaves, dout)
+        return out, lse, grads
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse, grads = step()
+    for bounds in ([0, 100, 2100, 2200], [0, 1, 2049, 2200], [0, 2100, 2101, 2200], [0, 0, 2100, 2200]):
+        cu.copy_(torch.tensor(bounds, dtype=torch.int32))
+        graph.replay()
+        want_out, want_lse, want_grads = _run_varlen(q, k, v, dout, cu)
+        _assert_equal(out, want_out, f"replay {bounds} out")
+        _assert_equal(lse, want_lse, f"replay {bounds} lse")
+        for name, g, w in zip("qkv", grads, want_grads):
+            _assert_equal(g, w, f"replay {bounds} d{name}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bounds, max_seqlen, message", [
+    ([0, 5, 3, 8], 8, "the sequence length cu_seqlens[i+1] - cu_seqlens[i] = -2 out of range for 0 .. max_seqlen = 8"),
+    ([0, 3, 8], 4, "the sequence length cu_seqlens[i+1] - cu_seqlens[i] = 5 out of range for 0 .. max_seqlen = 4"),
+    ([1, 3, 8], 8, "cu_seqlens[0] = 1 out of range for packed sequences from 0"),
+    ([0, 3, 7], 8, "cu_seqlens[-1] = 7 out of range for packed sequences ending at the token count 8"),
+])
+def test_bad_cu_seqlens_without_validation_is_a_device_assert(bounds, max_seqlen, message):
+    setup = (f"q = torch.randn(8, 4, 64, device='cuda', dtype=torch.bfloat16)\n"
+             f"cu = torch.tensor({bounds}, device='cuda', dtype=torch.int32)\n")
+    assert_device_assert(setup, f"rl_engine_ext.attention_varlen(q, q, q, cu, {max_seqlen}, validate=False)",
+                         f"rl_align::attention_varlen: {message}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("n, s_max, replays", [
     (1, 300, ([5, 64, 65], [1, 300, 129], [200, 2, 63])),

@@ -62,22 +62,25 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
 
   static AttentionOut kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_seqlens, std::optional<int64_t> max_seqlen,
-                             std::optional<double> scale, bool causal) {
-    if (!records_graph(q, k, v, cu_seqlens)) return call_below_autograd(forward_op(), q, k, v, cu_seqlens, max_seqlen, scale, causal);
-    const variable_list r = apply(q, k, v, cu_seqlens, max_seqlen, scale, causal);
+                             std::optional<double> scale, bool causal, bool validate) {
+    if (!records_graph(q, k, v, cu_seqlens)) {
+      return call_below_autograd(forward_op(), q, k, v, cu_seqlens, max_seqlen, scale, causal, validate);
+    }
+    const variable_list r = apply(q, k, v, cu_seqlens, max_seqlen, scale, causal, validate);
     return {r[0], r[1]};
   }
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const at::Tensor& cu_seqlens,
                                std::optional<int64_t> max_seqlen, std::optional<double> scale,
-                               bool causal) {
+                               bool causal, bool validate) {
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse] = forward_op().call(q, k, v, cu_seqlens, max_seqlen, scale, causal);
+    auto [out, lse] = forward_op().call(q, k, v, cu_seqlens, max_seqlen, scale, causal, validate);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens});
     ctx->saved_data["max_seqlen"] = max_seqlen.has_value() ? c10::IValue(*max_seqlen) : c10::IValue();
     ctx->saved_data["scale"] = attention_scale("attention_varlen", scale, q.size(-1));
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["validate"] = validate;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -86,14 +89,15 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
     static const auto op =
         typed_op<AttentionGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, std::optional<int64_t>, double, bool)>(
+                                const at::Tensor&, std::optional<int64_t>, double, bool, bool)>(
             "rl_align::attention_varlen_backward");
     const variable_list s = ctx->get_saved_variables();
     const c10::IValue& max_seqlen = ctx->saved_data["max_seqlen"];
     auto [dq, dk, dv] = op.call(grad_outputs[0], s[0], s[1], s[2], s[3], s[4], s[5],
                                 max_seqlen.isNone() ? std::nullopt : std::optional<int64_t>(max_seqlen.toInt()),
-                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool());
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
+                                ctx->saved_data["validate"].toBool());
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

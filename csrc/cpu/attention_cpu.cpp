@@ -18,21 +18,12 @@ struct CpuBackend {
   }
   static void refuse_graph_capture(const char*) {}
   static at::Tensor to_device(const at::Tensor& host, const at::Tensor&) { return host; }
-  // attention_kvcache(validate=False): host memory, so the lengths are checked as with validate.
-  static at::Tensor kvcache_seqs(const at::Tensor& lens, const KvcacheStrides& st) {
-    const at::Tensor l = lens.to(at::kLong).contiguous();
-    const int64_t* len = l.const_data_ptr<int64_t>();
-    at::Tensor seqs = at::zeros({l.numel() * kAttentionSeqFields + 1}, l.options());  // + the status word
-    int64_t* f = seqs.mutable_data_ptr<int64_t>();
-    for (int64_t b = 0; b < l.numel(); ++b, f += kAttentionSeqFields) {
-      check_cache_seqlen(b, len[b], st.new_tokens, st.capacity);
-      f[kSeqQBase] = b * st.q;
-      f[kSeqKvBase] = b * st.kv;
-      f[kSeqLseBase] = b * st.lse;
-      f[kSeqQLen] = st.new_tokens;
-      f[kSeqKvLen] = len[b];
-    }
-    return seqs;
+  // validate=False: the lengths are in host memory, so they are checked as with validate.
+  static at::Tensor device_seqs(const char* op, const at::Tensor& lengths, const SeqsFromLengths& sp) {
+    const at::Tensor l = lengths.to(at::kLong).contiguous();
+    const int64_t* data = l.const_data_ptr<int64_t>();
+    return seqs_tensor<CpuBackend>(flatten(seqs_from_lengths(op, std::vector<int64_t>(data, data + l.numel()), sp)),
+                                   l);
   }
 };
 

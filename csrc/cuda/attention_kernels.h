@@ -54,13 +54,11 @@ gpuError_t attention_fwd_simt(DType dtype, const AttentionProblem& p, gpuStream_
 gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 
-// attention_kvcache without host validation: the sequence descriptors (attention_problem.h) of
-// a [batch, heads, n, D] query and a [batch, heads_kv, capacity, D] cache, built on the device
-// from lens ([batch], int32 or int64): seqs[b] = {b q_stride, b kv_stride, b lse_stride,
-// new_tokens, lens[b]} and the zero status word after them (seqs: batch * 5 + 1 int64), and a device-side assert (device_assert.cuh) unless lens[b] lies in
-// [new_tokens, capacity]. One kernel, no host synchronisation.
-gpuError_t attention_kvcache_seqs(const void* lens, bool lens_int64, int64_t batch, int64_t q_stride,
-                                  int64_t kv_stride, int64_t lse_stride, int64_t new_tokens, int64_t capacity,
-                                  int64_t* seqs, gpuStream_t stream);
+// attention_kvcache / attention_varlen without host validation: the sequence descriptors
+// (attention_problem.h) built on the device from `lengths` (int32 or int64; what they hold: sp),
+// then the zero status word (seqs: num_seqs * kAttentionSeqFields + 1 int64), and a device-side
+// assert (device_assert.cuh) for lengths outside sp's bounds. One kernel, no host synchronisation.
+gpuError_t attention_seqs_from_lengths(const void* lengths, bool lengths_int64, const SeqsFromLengths& sp,
+                                       int64_t* seqs, gpuStream_t stream);
 
 }  // namespace rl_align

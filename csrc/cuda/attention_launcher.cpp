@@ -85,16 +85,14 @@ struct CudaBackend {
   static at::Tensor to_device(const at::Tensor& host, const at::Tensor& like) {
     return host.pin_memory().to(like.device(), /*non_blocking=*/true);
   }
-  // attention_kvcache(validate=False): descriptors built and lengths checked on the device.
-  static at::Tensor kvcache_seqs(const at::Tensor& lens, const KvcacheStrides& st) {
-    const c10::cuda::CUDAGuard guard(lens.device());
-    const bool narrow = lens.scalar_type() == at::kInt;
-    const at::Tensor l = narrow ? lens.contiguous() : lens.to(at::kLong).contiguous();
-    at::Tensor seqs = at::empty({l.numel() * kAttentionSeqFields + 1}, l.options().dtype(at::kLong));
-    check_launch("attention_kvcache",
-                 attention_kvcache_seqs(l.const_data_ptr(), !narrow, l.numel(), st.q, st.kv, st.lse, st.new_tokens,
-                                        st.capacity, seqs.mutable_data_ptr<int64_t>(),
-                                        at::cuda::getCurrentCUDAStream()));
+  // validate=False: descriptors built and lengths checked on the device.
+  static at::Tensor device_seqs(const char* op, const at::Tensor& lengths, const SeqsFromLengths& sp) {
+    const c10::cuda::CUDAGuard guard(lengths.device());
+    const bool narrow = lengths.scalar_type() == at::kInt;
+    const at::Tensor l = narrow ? lengths.contiguous() : lengths.to(at::kLong).contiguous();
+    at::Tensor seqs = at::empty({sp.num_seqs * kAttentionSeqFields + 1}, l.options().dtype(at::kLong));
+    check_launch(op, attention_seqs_from_lengths(l.const_data_ptr(), !narrow, sp, seqs.mutable_data_ptr<int64_t>(),
+                                                 at::cuda::getCurrentCUDAStream()));
     return seqs;
   }
 };

@@ -761,38 +761,54 @@ gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& gp, gpuSt
 namespace {
 
 template <typename I>
-__global__ void kvcache_seqs_kernel(const I* lens, int64_t batch, int64_t q_stride, int64_t kv_stride,
-                                    int64_t lse_stride, int64_t new_tokens, int64_t capacity, int64_t* seqs) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b == 0) seqs[batch * kAttentionSeqFields] = 0;  // the status word
-  if (b >= batch) return;
-  const int64_t len = static_cast<int64_t>(lens[b]);
-  if (len < new_tokens || len > capacity) {
-    fail_index_out_of_range("attention_kvcache", "cache_seqlens", len, "a cache of ", capacity,
-                            " positions holding the new tokens");
+__global__ void seqs_from_lengths_kernel(const I* lengths, SeqsFromLengths sp, int64_t* seqs) {
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (s == 0) seqs[sp.num_seqs * kAttentionSeqFields] = 0;  // the status word
+  if (s >= sp.num_seqs) return;
+  int64_t start = s, q_len, kv_len;
+  if (sp.packed) {
+    constexpr const char* op = "attention_varlen";
+    start = static_cast<int64_t>(lengths[s]);
+    const int64_t end = static_cast<int64_t>(lengths[s + 1]);
+    // cu_seqlens starting at 0, ending at the token count and non-decreasing keep every
+    // sequence inside q/k/v; the length bound keeps it inside the grid.
+    if (s == 0 && start != 0) fail_index_out_of_range(op, "cu_seqlens[0] =", start, "packed sequences from ", 0, "");
+    if (s + 1 == sp.num_seqs && end != sp.total_tokens) {
+      fail_index_out_of_range(op, "cu_seqlens[-1] =", end, "packed sequences ending at the token count ",
+                              sp.total_tokens, "");
+    }
+    if (end < start || end - start > sp.max_len) {
+      fail_index_out_of_range(op, "the sequence length cu_seqlens[i+1] - cu_seqlens[i] =", end - start,
+                              "0 .. max_seqlen = ", sp.max_len, "");
+    }
+    q_len = kv_len = end - start;
+  } else {
+    kv_len = static_cast<int64_t>(lengths[s]);
+    q_len = sp.new_tokens;
+    if (kv_len < q_len || kv_len > sp.max_len) {
+      fail_index_out_of_range("attention_kvcache", "cache_seqlens", kv_len, "a cache of ", sp.max_len,
+                              " positions holding the new tokens");
+    }
   }
-  int64_t* f = seqs + b * kAttentionSeqFields;
-  f[kSeqQBase] = b * q_stride;
-  f[kSeqKvBase] = b * kv_stride;
-  f[kSeqLseBase] = b * lse_stride;
-  f[kSeqQLen] = new_tokens;
-  f[kSeqKvLen] = len;
+  int64_t* f = seqs + s * kAttentionSeqFields;
+  f[kSeqQBase] = start * sp.q_stride;
+  f[kSeqKvBase] = start * sp.kv_stride;
+  f[kSeqLseBase] = start * sp.lse_stride;
+  f[kSeqQLen] = q_len;
+  f[kSeqKvLen] = kv_len;
 }
 
 }  // namespace
 
-gpuError_t attention_kvcache_seqs(const void* lens, bool lens_int64, int64_t batch, int64_t q_stride,
-                                  int64_t kv_stride, int64_t lse_stride, int64_t new_tokens, int64_t capacity,
-                                  int64_t* seqs, gpuStream_t stream) {
-  if (batch == 0) return kGpuSuccess;
+gpuError_t attention_seqs_from_lengths(const void* lengths, bool lengths_int64, const SeqsFromLengths& sp,
+                                       int64_t* seqs, gpuStream_t stream) {
+  if (sp.num_seqs == 0) return kGpuSuccess;  // no kernel reads the descriptors
   constexpr int kThreads = 128;
-  const unsigned blocks = static_cast<unsigned>(ceil_div(batch, kThreads));
-  if (lens_int64) {
-    kvcache_seqs_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(lens), batch, q_stride,
-                                                         kv_stride, lse_stride, new_tokens, capacity, seqs);
+  const unsigned blocks = static_cast<unsigned>(ceil_div(sp.num_seqs, kThreads));
+  if (lengths_int64) {
+    seqs_from_lengths_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(lengths), sp, seqs);
   } else {
-    kvcache_seqs_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(lens), batch, q_stride,
-                                                         kv_stride, lse_stride, new_tokens, capacity, seqs);
+    seqs_from_lengths_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(lengths), sp, seqs);
   }
   return gpu_last_error();
 }

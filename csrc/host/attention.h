@@ -206,31 +206,55 @@ inline std::vector<SeqDesc> padded_seqs(const char* op, const at::Tensor& q, con
   return seqs;
 }
 
+// The descriptors of sequences given by their lengths (SeqsFromLengths), each length checked
+// on the host: a ValueError naming the bad one. The device builds the same (attention_kernels.h).
+inline std::vector<SeqDesc> seqs_from_lengths(const char* op, const std::vector<int64_t>& lengths,
+                                              const SeqsFromLengths& sp) {
+  std::vector<SeqDesc> seqs;
+  seqs.reserve(sp.num_seqs);
+  if (sp.packed) {
+    TORCH_CHECK_VALUE(lengths.front() == 0 && lengths.back() == sp.total_tokens, "rl_align::", op,
+                      ": cu_seqlens must start at 0 and end at the token count ", sp.total_tokens, ", got ",
+                      lengths.front(), " ... ", lengths.back());
+  }
+  for (int64_t i = 0; i < sp.num_seqs; ++i) {
+    const int64_t start = sp.packed ? lengths[i] : i;
+    const int64_t kv_len = sp.packed ? lengths[i + 1] - start : lengths[i];
+    const int64_t q_len = sp.packed ? kv_len : sp.new_tokens;
+    if (sp.packed) {
+      TORCH_CHECK_VALUE(kv_len >= 0, "rl_align::", op, ": cu_seqlens must be non-decreasing, got ", start,
+                        " then ", lengths[i + 1]);
+      TORCH_CHECK_VALUE(kv_len <= sp.max_len, "rl_align::", op, ": sequence ", i, " has ", kv_len,
+                        " tokens, more than max_seqlen = ", sp.max_len);
+    } else {
+      TORCH_CHECK_VALUE(kv_len >= q_len && kv_len <= sp.max_len, "rl_align::", op, ": cache_seqlens[", i,
+                        "] = ", kv_len, " must hold the ", q_len, " new tokens and fit the cache (", sp.max_len,
+                        " positions)");
+    }
+    seqs.push_back({start * sp.q_stride, start * sp.kv_stride, start * sp.lse_stride, q_len, kv_len});
+  }
+  return seqs;
+}
+
 // Packed q [T, Hq, D], k/v [T, Hkv, D]; cu_seqlens [B + 1]: sequence i is tokens
-// cu[i] .. cu[i+1]-1. lse is [Hq, T].
-inline std::vector<SeqDesc> varlen_seqs(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                        const at::Tensor& cu_seqlens, std::optional<int64_t> max_seqlen) {
+// cu[i] .. cu[i+1]-1, at most max_seqlen of them (if given). lse is [Hq, T].
+inline SeqsFromLengths varlen_lengths(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& cu_seqlens, std::optional<int64_t> max_seqlen) {
   TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "rl_align::", op,
                     ": cu_seqlens must be 1-D [num_seqs + 1], got shape ", cu_seqlens.sizes());
   TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong,
                     "rl_align::", op, ": cu_seqlens must be torch.int32 or torch.int64, got ",
                     dtype_name(cu_seqlens.scalar_type()));
-  const std::vector<int64_t> cu = host_int64(op, "cu_seqlens", cu_seqlens, q);
-  const int64_t t = q.size(0);
-  TORCH_CHECK_VALUE(cu.front() == 0 && cu.back() == t, "rl_align::", op,
-                    ": cu_seqlens must start at 0 and end at the token count ", t, ", got ",
-                    cu.front(), " ... ", cu.back());
-  std::vector<SeqDesc> seqs;
-  seqs.reserve(cu.size() - 1);
-  for (size_t i = 0; i + 1 < cu.size(); ++i) {
-    const int64_t len = cu[i + 1] - cu[i];
-    TORCH_CHECK_VALUE(len >= 0, "rl_align::", op, ": cu_seqlens must be non-decreasing, got ",
-                      cu[i], " then ", cu[i + 1]);
-    TORCH_CHECK_VALUE(!max_seqlen.has_value() || len <= *max_seqlen, "rl_align::", op,
-                      ": sequence ", i, " has ", len, " tokens, more than max_seqlen = ", *max_seqlen);
-    seqs.push_back({cu[i] * q.stride(0), cu[i] * k.stride(0), cu[i], len, len});
-  }
-  return seqs;
+  check_index_tensor(op, "cu_seqlens", cu_seqlens, q);
+  SeqsFromLengths sp;
+  sp.packed = true;
+  sp.num_seqs = cu_seqlens.size(0) - 1;
+  sp.q_stride = q.stride(0);
+  sp.kv_stride = k.stride(0);
+  sp.lse_stride = 1;
+  sp.max_len = max_seqlen.value_or(std::numeric_limits<int64_t>::max());
+  sp.total_tokens = q.size(0);
+  return sp;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -320,10 +344,11 @@ inline void check_backward_extras(const char* op, const at::Tensor& grad_out, co
               " but q is on ", q.device());
 }
 
+// seqs_dev as for attention_fwd_common.
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
     const char* op, const AttentionOperands& x, const at::Tensor& grad_out, const at::Tensor& out,
-    const at::Tensor& lse, const std::vector<SeqDesc>& seqs, const AttentionLayout& layout,
+    const at::Tensor& lse, const SeqBounds& bounds, const at::Tensor& seqs_dev, const AttentionLayout& layout,
     double scale, bool causal, bool any_padding) {
   const at::Tensor& q = x.q;
   // Padding rows and keys get zero gradients: the kernels write only the sequences' tokens, and
@@ -331,13 +356,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
   at::Tensor dq = any_padding ? at::zeros_like(q) : at::empty_like(q);
   at::Tensor dk = any_padding ? at::zeros_like(x.k) : at::empty_like(x.k);
   at::Tensor dv = any_padding ? at::zeros_like(x.k) : at::empty_like(x.k);
-  const SeqBounds bounds = seq_bounds(seqs);
   if (q.numel() == 0 || bounds.max_q_len == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   const at::Tensor don = same_layout(grad_out, q);
   const at::Tensor on = same_layout(out, q);
   const at::Tensor lsen = lse.contiguous();
   at::Tensor delta = at::empty_like(lsen);
-  const at::Tensor seqs_dev = seqs_tensor<Backend>(flatten(seqs), q);
   AttentionGradProblem g;
   g.fwd = make_problem(bounds, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
                        layout.lse_stride_head, scale, causal);
@@ -351,6 +374,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
   g.delta = delta.mutable_data_ptr<float>();
   Backend::bwd(op, q.scalar_type(), g, q);
   return {dq, dk, dv};
+}
+
+// The same from descriptors read on the host.
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
+    const char* op, const AttentionOperands& x, const at::Tensor& grad_out, const at::Tensor& out,
+    const at::Tensor& lse, const std::vector<SeqDesc>& seqs, const AttentionLayout& layout,
+    double scale, bool causal, bool any_padding) {
+  const SeqBounds bounds = seq_bounds(seqs);
+  const at::Tensor seqs_dev = x.q.numel() == 0 || bounds.max_q_len == 0 ? at::Tensor() : seqs_tensor<Backend>(flatten(seqs), x.q);
+  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, bounds, seqs_dev, layout, scale, causal,
+                                       any_padding);
+}
+
+// attention_varlen(validate=True): cu_seqlens read and checked on the host.
+inline std::vector<SeqDesc> varlen_seqs(const char* op, const AttentionOperands& x, const at::Tensor& cu_seqlens,
+                                        std::optional<int64_t> max_seqlen) {
+  const SeqsFromLengths sp = varlen_lengths(op, x.q, x.k, cu_seqlens, max_seqlen);
+  return seqs_from_lengths(op, host_int64(op, "cu_seqlens", cu_seqlens, x.q), sp);
+}
+
+// attention_varlen(validate=False): descriptors built on the device from cu_seqlens, the grids
+// sized from max_seqlen (required: the host reads no length).
+template <typename Backend>
+std::pair<SeqBounds, at::Tensor> varlen_device_seqs(const char* op, const AttentionOperands& x,
+                                                    const at::Tensor& cu_seqlens,
+                                                    std::optional<int64_t> max_seqlen) {
+  TORCH_CHECK_VALUE(max_seqlen.has_value(), "rl_align::", op,
+                    ": validate=False needs max_seqlen (the grid is sized from it; no length is read on the host)");
+  TORCH_CHECK_VALUE(*max_seqlen >= 0, "rl_align::", op, ": max_seqlen must be >= 0, got ", *max_seqlen);
+  const SeqsFromLengths sp = varlen_lengths(op, x.q, x.k, cu_seqlens, max_seqlen);
+  TORCH_CHECK_VALUE(sp.num_seqs > 0 || sp.total_tokens == 0, "rl_align::", op, ": cu_seqlens of shape [1] holds no ",
+                    "sequence for ", sp.total_tokens, " tokens");
+  return {SeqBounds{sp.num_seqs, *max_seqlen, *max_seqlen}, Backend::device_seqs(op, cu_seqlens, sp)};
 }
 
 inline AttentionLayout padded_layout(const at::Tensor& q) {
@@ -398,44 +455,40 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_impl(const at::Tensor& q, co
                                                          const at::Tensor& v,
                                                          const at::Tensor& cu_seqlens,
                                                          std::optional<int64_t> max_seqlen,
-                                                         std::optional<double> scale, bool causal) {
+                                                         std::optional<double> scale, bool causal,
+                                                         bool validate) {
   constexpr const char* op = "attention_varlen";
-  Backend::refuse_graph_capture(op);
+  if (validate) Backend::refuse_graph_capture(op);
   check_varlen(op, q, k, v);
   const double s = attention_scale(op, scale, q.size(2));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
-  const std::vector<SeqDesc> seqs = varlen_seqs(op, x.q, x.k, cu_seqlens, max_seqlen);
-  return attention_fwd_common<Backend>(op, x, seqs, varlen_layout(q), s, causal, false);
+  if (!validate) {
+    const auto [bounds, seqs_dev] = varlen_device_seqs<Backend>(op, x, cu_seqlens, max_seqlen);
+    return attention_fwd_common<Backend>(op, x, bounds, seqs_dev, varlen_layout(q), s, causal, false);
+  }
+  return attention_fwd_common<Backend>(op, x, varlen_seqs(op, x, cu_seqlens, max_seqlen), varlen_layout(q), s,
+                                       causal, false);
 }
 
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_impl(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens,
-    std::optional<int64_t> max_seqlen, double scale, bool causal) {
+    std::optional<int64_t> max_seqlen, double scale, bool causal, bool validate) {
   constexpr const char* op = "attention_varlen_backward";
-  Backend::refuse_graph_capture(op);
+  if (validate) Backend::refuse_graph_capture(op);
   check_varlen(op, q, k, v);
   const AttentionLayout layout = varlen_layout(q);
   check_backward_extras(op, grad_out, out, lse, q, layout.lse_shape);
+  const double s = attention_scale(op, scale, q.size(2));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
-  const std::vector<SeqDesc> seqs = varlen_seqs(op, x.q, x.k, cu_seqlens, max_seqlen);
-  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, seqs, layout,
-                                       attention_scale(op, scale, q.size(2)), causal, false);
+  if (!validate) {
+    const auto [bounds, seqs_dev] = varlen_device_seqs<Backend>(op, x, cu_seqlens, max_seqlen);
+    return attention_bwd_common<Backend>(op, x, grad_out, out, lse, bounds, seqs_dev, layout, s, causal, false);
+  }
+  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, varlen_seqs(op, x, cu_seqlens, max_seqlen),
+                                       layout, s, causal, false);
 }
-
-inline void check_cache_seqlen(int64_t b, int64_t len, int64_t new_tokens, int64_t capacity) {
-  TORCH_CHECK_VALUE(len >= new_tokens && len <= capacity, "rl_align::attention_kvcache: cache_seqlens[", b,
-                    "] = ", len, " must hold the ", new_tokens, " new tokens and fit the cache (", capacity,
-                    " positions)");
-}
-
-// attention_kvcache(validate=False): the per-batch-row offsets of the descriptors a Backend's
-// kvcache_seqs builds where the lengths are, with the bounds it checks them against.
-struct KvcacheStrides {
-  int64_t q, kv, lse;       // element offset of batch row b: b * this, in q (and out), k/v, lse
-  int64_t new_tokens, capacity;  // cache_seqlens[b] must lie in [new_tokens, capacity]
-};
 
 // KV cache: q [B, Hq, n, D] holds positions kv_len[b]-n .. kv_len[b]-1 of sequence b, whose keys
 // and values 0 .. kv_len[b]-1 are in k_cache/v_cache [B, Hkv, S_max, D] (the new ones included).
@@ -459,24 +512,21 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
   const int64_t batch = q.size(0), n = q.size(2), s_max = k_cache.size(2);
   TORCH_CHECK_VALUE(n <= s_max, "rl_align::", op, ": q's ", n, " new tokens do not fit the cache (", s_max,
                     " positions)");
+  check_index_tensor(op, "cache_seqlens", cache_seqlens, q);
+  const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
+  SeqsFromLengths sp;
+  sp.num_seqs = batch;
+  sp.q_stride = x.q.stride(0);
+  sp.kv_stride = x.k.stride(0);
+  sp.lse_stride = q.size(1) * n;
+  sp.new_tokens = n;
+  sp.max_len = s_max;
   if (!validate) {
-    check_index_tensor(op, "cache_seqlens", cache_seqlens, q);
-    const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
-    const at::Tensor seqs_dev =
-        Backend::kvcache_seqs(cache_seqlens, KvcacheStrides{x.q.stride(0), x.k.stride(0), q.size(1) * n, n, s_max});
-    return attention_fwd_common<Backend>(op, x, SeqBounds{batch, n, s_max}, seqs_dev, padded_layout(q), s, true,
-                                         false);
+    return attention_fwd_common<Backend>(op, x, SeqBounds{batch, n, s_max}, Backend::device_seqs(op, cache_seqlens, sp),
+                                         padded_layout(q), s, true, false);
   }
   Backend::refuse_graph_capture(op);
-  const std::vector<int64_t> lens = host_int64(op, "cache_seqlens", cache_seqlens, q);
-  const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
-  std::vector<SeqDesc> seqs;
-  seqs.reserve(lens.size());
-  for (size_t b = 0; b < lens.size(); ++b) {
-    const int64_t bi = static_cast<int64_t>(b);
-    check_cache_seqlen(bi, lens[b], n, s_max);
-    seqs.push_back({bi * x.q.stride(0), bi * x.k.stride(0), bi * q.size(1) * n, n, lens[b]});
-  }
+  const std::vector<SeqDesc> seqs = seqs_from_lengths(op, host_int64(op, "cache_seqlens", cache_seqlens, q), sp);
   return attention_fwd_common<Backend>(op, x, seqs, padded_layout(q), s, true, false);
 }
 

@@ -141,19 +141,34 @@ def check_attention_backward(grad_out, q, k, v, out, lse, padding_mask, scale, c
     _scale(op, scale, q.shape[-1])
 
 
-def check_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=True) -> None:
+def _check_unvalidated_varlen(op: str, cu_seqlens, max_seqlen, q, validate: bool) -> None:
+    """validate=False reads no length on the host: the grid comes from max_seqlen."""
+    if validate:
+        return
+    if max_seqlen is None:
+        raise _checks.fail(op, "validate=False needs max_seqlen (the grid is sized from it; no length is read on the host)")
+    if max_seqlen < 0:
+        raise _checks.fail(op, f"max_seqlen must be >= 0, got {max_seqlen}")
+    if cu_seqlens.shape[0] == 1 and q.shape[0] > 0:
+        raise _checks.fail(op, f"cu_seqlens of shape [1] holds no sequence for {q.shape[0]} tokens")
+
+
+def check_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=True, validate=True) -> None:
     op = "attention_varlen"
     _check_varlen(op, q, k, v)
     _scale(op, scale, q.shape[-1])
     _check_cu_seqlens(op, cu_seqlens, q)
+    _check_unvalidated_varlen(op, cu_seqlens, max_seqlen, q, validate)
 
 
-def check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal) -> None:
+def check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal,
+                                    validate=True) -> None:
     op = "attention_varlen_backward"
     _check_varlen(op, q, k, v)
     _check_backward_extras(op, grad_out, out, lse, q, (q.shape[1], q.shape[0]))
-    _check_cu_seqlens(op, cu_seqlens, q)
     _scale(op, scale, q.shape[-1])
+    _check_cu_seqlens(op, cu_seqlens, q)
+    _check_unvalidated_varlen(op, cu_seqlens, max_seqlen, q, validate)
 
 
 def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=True) -> None:
@@ -307,9 +322,10 @@ def reference_forward_fp32(q, k, v, padding_mask=None, scale=None, causal=True):
     return _padded(OP, q, k, v, padding_mask, _scale(OP, scale, q.shape[-1]), causal, True)
 
 
-def reference_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=True, fp32_out=False):
+def reference_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=True, validate=True, fp32_out=False):
+    """The reference reads cu_seqlens on the host whatever ``validate`` says."""
     op = "attention_varlen"
-    check_attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    check_attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, validate)
     return _varlen(op, q, k, v, cu_seqlens, max_seqlen, _scale(op, scale, q.shape[-1]), causal, fp32_out)
 
 
@@ -354,10 +370,10 @@ def reference_backward(grad_out, q, k, v, out, lse, padding_mask, scale, causal)
     return dq, dk, dv
 
 
-def reference_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal):
+def reference_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal, validate=True):
     """(dq, dk, dv) of ``attention_varlen`` (out and lse are recomputed)."""
     op = "attention_varlen_backward"
-    check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal)
+    check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal, validate)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for start, n in _cu_runs(op, cu_seqlens, q.shape[0], max_seqlen):
         rows = slice(start, start + n)
@@ -398,16 +414,16 @@ def _backward_padded(ctx, grad_out, grad_lse):
 
 
 def _setup_varlen(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, scale, causal = inputs
+    q, k, v, cu_seqlens, max_seqlen, scale, causal, validate = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.extras = (max_seqlen, _scale("attention_varlen", scale, q.shape[-1]), causal)
+    ctx.extras = (max_seqlen, _scale("attention_varlen", scale, q.shape[-1]), causal, validate)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_varlen(ctx, grad_out, grad_lse):
     dq, dk, dv = OPS.attention_varlen_backward(grad_out, *ctx.saved_tensors, *ctx.extras)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,9 +456,17 @@ def attention_varlen(
     scale: float | None = None,
     causal: bool = True,
     return_lse: bool = False,
+    validate: bool = True,
 ):
-    """Batch-invariant attention over packed sequences (differentiable in q, k, v)."""
-    out, lse = OPS.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    """Batch-invariant attention over packed sequences (differentiable in q, k, v).
+
+    ``validate=True`` reads ``cu_seqlens`` on the host and raises a ValueError unless it starts at
+    0, ends at the token count, never decreases and (if given) no sequence exceeds
+    ``max_seqlen`` (one device-to-host copy per call, forward and backward). ``validate=False``
+    never reads it on the host: no synchronisation, capturable in a CUDA graph; ``max_seqlen``
+    is then required (it sizes the grid) and the same conditions are checked where cu_seqlens
+    lives (a device-side assert on CUDA, an error on the CPU)."""
+    out, lse = OPS.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, validate)
     return (out, lse) if return_lse else out
 
 
@@ -496,6 +520,10 @@ def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
                                     cu, None, None, True)),
         Sample("attention_varlen_backward", (dout[0].transpose(0, 1).contiguous(), qp, kp, vp, outp, lsep, cu, 20,
                                              0.125, True)),
+        Sample("attention_varlen", (qp.clone().requires_grad_(), kp.clone().requires_grad_(), vp.clone().requires_grad_(),
+                                    cu, 13, None, True, False)),
+        Sample("attention_varlen_backward", (dout[0].transpose(0, 1).contiguous(), qp, kp, vp, outp, lsep, cu, 13,
+                                             0.125, True, False)),
         Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None)),
         Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None, False)),
     ]
@@ -508,8 +536,8 @@ def _bad_inputs(device: str) -> list[BadInput]:
     out, lse = OPS.attention(q, kv, kv, None, None, True)
     cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
 
-    def varlen(cu_values, max_seqlen=None, dtype=torch.int32):
-        return (qp, kvp, kvp, torch.tensor(cu_values, dtype=dtype, device=device), max_seqlen, None, True)
+    def varlen(cu_values, max_seqlen=None, dtype=torch.int32, validate=True):
+        return (qp, kvp, kvp, torch.tensor(cu_values, dtype=dtype, device=device), max_seqlen, None, True, validate)
 
     bad = [
         BadInput("attention", (q.double(), kv.double(), kv.double(), None, None, True), ValueError, "unsupported dtype"),
@@ -540,6 +568,11 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput("attention_varlen", varlen([0.0, 8.0], dtype=torch.float32), ValueError, "int32 or torch.int64"),
         BadInput("attention_varlen", varlen([[0, 8]]), ValueError, "cu_seqlens must be 1-D"),
         BadInput("attention_varlen", (qp, kvp[:4], kvp[:4], cu, None, None, True), ValueError, "same token count"),
+        BadInput("attention_varlen", varlen([0, 8], validate=False), ValueError, "validate=False needs max_seqlen"),
+        BadInput("attention_varlen", varlen([0, 8], max_seqlen=-1, validate=False), ValueError, "max_seqlen must be >= 0"),
+        BadInput("attention_varlen", varlen([0], max_seqlen=8, validate=False), ValueError, "holds no sequence for 8"),
+        BadInput("attention_varlen_backward", (qp, qp, kvp, kvp, qp, lse[0, :, :8].contiguous(), cu, None, 0.125, True,
+                                               False), ValueError, "validate=False needs max_seqlen"),
         BadInput("attention_varlen_backward", (qp, qp, kvp, kvp, qp, lse[0, :, :4], cu, None, 0.125, True), ValueError,
                  "lse must be torch.float32 of shape"),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([0, 8], device=device), None), ValueError,
@@ -553,6 +586,15 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput("attention_kvcache", (q[:, :, :2], kv[:1], kv[:1], torch.tensor([4, 4], device=device), None), ValueError,
                  "same batch size"),
     ]
+    if device == "cpu":  # validate=False checks the values where they are: here, on the host
+        bad += [
+            BadInput("attention_varlen", varlen([0, 3, 2, 8], max_seqlen=8, validate=False), ValueError,
+                     "non-decreasing", value_dependent=True),
+            BadInput("attention_varlen", varlen([0, 8], max_seqlen=4, validate=False), ValueError, "max_seqlen = 4",
+                     value_dependent=True),
+            BadInput("attention_varlen", varlen([1, 8], max_seqlen=8, validate=False), ValueError, "start at 0",
+                     value_dependent=True),
+        ]
     if device != "cpu":
         bad += [
             BadInput("attention", (q, kv.cpu(), kv.cpu(), None, None, True), RuntimeError, "k is on cpu"),
