@@ -6,8 +6,11 @@
 // Work split. A CTA owns one (sequence, kv head g, tile of BLOCK_M query ROWS). With
 // G = heads_q / heads_kv, global row R of the (sequence, g) pair is query i = R / G of query head
 // h = g G + R % G, so the G heads of a group sit in one tile and share every K/V block loaded for
-// it (GQA packing). Each warp owns M_TILES m16 tiles of rows; a row is computed by one warp from
-// its first key block to its last, never split across warps or CTAs (no split-KV).
+// it (GQA packing). Each warp owns M_TILES m16 tiles of rows and computes them over a KV split
+// (kAttentionKvSplit keys, attention_problem.h) from its first key block to its last (the decode
+// kernel below shares a block's keys and columns among 4 warps instead, same per-element
+// arithmetic); a prefill CTA merges a row's split partials itself, a decode step runs each split
+// on its own CTA and a combine kernel merges them (SplitMode below).
 //
 // Per row and per 64-key block b = [64 b, 64 b + 64), in increasing b (the contract's blocks),
 // with c = scale * log2(e) rounded once on the host and only the row's allowed keys j (below
