@@ -412,16 +412,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
 
       int stage = 0;
       for (int b = b_begin; b < b_end; ++b) {
-        // Groups committed: STAGES - 1 + b - b_begin; block b is group b - b_begin, complete once
-        // at most STAGES - 2 are pending. The barrier publishes every thread's copies of block b
-        // and tells that all warps finished block b - 1, whose stage the next copy overwrites.
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        {
-          const int next = b + STAGES - 1;
-          if (next < b_end) load_kv((next - b_begin) % STAGES, next);
-          cp_async_commit();
-        }
+        ring_advance<STAGES>(b, b_begin, b_end, load_kv);
         if constexpr (Cfg::Q_IN_REGS) {
           if (b == b_begin) {
 #pragma unroll
@@ -909,15 +900,9 @@ __global__ void __launch_bounds__(DecodeConfig<D>::THREADS)
 
     int stage = 0;
     for (int b = b_begin; b < b_end; ++b) {
-      // As in attention_fwd_sm80_kernel: block b is complete, and every warp is done with block
-      // b - 1 (its stage and the score buffer may be overwritten).
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();
-      {
-        const int next = b + STAGES - 1;
-        if (next < b_end) load_kv((next - b_begin) % STAGES, next);
-        cp_async_commit();
-      }
+      // Block b is complete, and every warp is done with block b - 1 (its stage and the score
+      // buffer may be overwritten).
+      ring_advance<STAGES>(b, b_begin, b_end, load_kv);
       if (b == b_begin) {
 #pragma unroll
         for (int ks = 0; ks < Cfg::D_STEPS; ++ks) ldmatrix_x4<false>(q_frag[ks], q_lane + ks * kMmaK * kElemBytes);

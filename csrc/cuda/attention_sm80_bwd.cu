@@ -477,16 +477,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 
       int stage = 0;
       for (int it = 0; it < iters; ++it) {
-        // Groups committed: STAGES - 1 + it; iteration it is group it, complete once at most
-        // STAGES - 2 are pending. The barrier publishes every thread's copies and tells that all
-        // warps finished iteration it - 1, whose stage the next copy overwrites.
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        {
-          const int next = it + STAGES - 1;
-          if (next < iters) load_q_block(next % STAGES, next);
-          cp_async_commit();
-        }
+        ring_advance<STAGES>(it, 0, iters, load_q_block);
         const uint32_t stage_off = stage * Cfg::STAGE_BYTES;
         const float* lse_s = reinterpret_cast<const float*>(ring_ptr + stage_off + 2 * Cfg::Q_TILE_BYTES);
         const float* delta_s = lse_s + BLOCK_M;
@@ -547,15 +538,20 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           auto tail = [&](auto diag_tag) {
             constexpr bool DIAG = decltype(diag_tag)::value;
             const int base = warp_key0 - first_pos - qstart;
+            // acc += a B over B's query rows at b_lane; on a diagonal whose masked pairs meet a
+            // non-finite value in B, the per-row masked product (see masked_b_nonfinite).
+            auto acc_b_rows = [&](float (&acc)[DT][4], const uint32_t (&a)[QS][4], uint32_t b_lane) {
+              if (DIAG && masked_b_nonfinite<T, QS, DT, PITCH, false>(b_lane, base)) {
+                gemm_acc_k_rows_masked<T, QS, DT, PITCH, false>(acc, a, b_lane, base, g, t);
+              } else {
+                gemm_acc_k<T, QS, DT, PITCH>(acc, a, b_lane);
+              }
+            };
             {
               uint32_t pa[QS][4];
 #pragma unroll
               for (int kc = 0; kc < QS; ++kc) c_to_a<T>(pa[kc], pt[2 * kc], pt[2 * kc + 1]);
-              if (DIAG && masked_b_nonfinite<T, QS, DT, PITCH, false>(q_bk_lane + do_off, base)) {
-                gemm_acc_k_rows_masked<T, QS, DT, PITCH, false>(dv_acc, pa, q_bk_lane + do_off, base, g, t);
-              } else {
-                gemm_acc_k<T, QS, DT, PITCH>(dv_acc, pa, q_bk_lane + do_off);
-              }
+              acc_b_rows(dv_acc, pa, q_bk_lane + do_off);
             }
             float dst[QT][4];
             gemm_rows_d<T, Cfg::D_STEPS, QT, PITCH>(dst, v_lane, q_bn_lane + do_off);
@@ -572,11 +568,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
               uint32_t dsa[QS][4];
 #pragma unroll
               for (int kc = 0; kc < QS; ++kc) c_to_a<T>(dsa[kc], dst[2 * kc], dst[2 * kc + 1]);
-              if (DIAG && masked_b_nonfinite<T, QS, DT, PITCH, false>(q_bk_lane + q_off, base)) {
-                gemm_acc_k_rows_masked<T, QS, DT, PITCH, false>(dk_acc, dsa, q_bk_lane + q_off, base, g, t);
-              } else {
-                gemm_acc_k<T, QS, DT, PITCH>(dk_acc, dsa, q_bk_lane + q_off);
-              }
+              acc_b_rows(dk_acc, dsa, q_bk_lane + q_off);
             }
           };
           if (causal_diag) {
@@ -705,13 +697,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 
       int stage = 0;
       for (int b = 0; b < num_blocks; ++b) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        {
-          const int next = b + STAGES - 1;
-          if (next < num_blocks) load_kv(next % STAGES, next);
-          cp_async_commit();
-        }
+        ring_advance<STAGES>(b, 0, num_blocks, load_kv);
         const int key0 = b * kKeyBlock;
         // A warp whose queries all precede the block (causal) would only add exact zeros.
         if (warp_active && !(p.causal && key0 > first_pos + warp_last_row)) {

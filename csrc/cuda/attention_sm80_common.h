@@ -70,6 +70,21 @@ __device__ __forceinline__ void copy_row_pair_async(uint32_t dst, uint32_t secon
     b_src += step;
   }
 }
+
+// One step of a STAGES-deep cp.async ring over blocks first .. end - 1, block b in stage
+// (b - first) % STAGES and in commit group b - first (the prologue commits STAGES - 1 groups,
+// empty past the end). Block b is complete once at most STAGES - 2 groups are pending; the
+// barrier publishes every thread's copies of it and tells that all warps finished block b - 1,
+// whose stage the copy of block b + STAGES - 1 then overwrites (an empty group past the end, so
+// the group count stays fixed).
+template <int STAGES, typename Load>
+__device__ __forceinline__ void ring_advance(int b, int first, int end, Load&& load) {
+  cp_async_wait<STAGES - 2>();
+  __syncthreads();
+  const int next = b + STAGES - 1;
+  if (next < end) load((next - first) % STAGES, next);
+  cp_async_commit();
+}
 #endif  // RL_ALIGN_SM80_DEVICE
 
 }  // namespace rl_align
