@@ -79,7 +79,7 @@ struct CudaBackend {
   static void refuse_graph_capture(const char* op) {
     TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
                 "rl_align::", op, " builds its sequence descriptors on the host and cannot be captured in a "
-                "CUDA graph; attention_kvcache(..., validate=False) can");
+                "CUDA graph; attention_kvcache and attention_varlen with validate=False can");
   }
   // Pinned and copied asynchronously: the op does not synchronise the stream.
   static at::Tensor to_device(const at::Tensor& host, const at::Tensor& like) {

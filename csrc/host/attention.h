@@ -137,21 +137,34 @@ inline SeqBounds seq_bounds(const std::vector<SeqDesc>& seqs) {
   return b;
 }
 
+// What the kernels get: the descriptors ([num_seqs][kAttentionSeqFields] int64 and the zero
+// status word, on q's device; undefined when no query exists) within their bounds.
+struct DeviceSeqs {
+  SeqBounds bounds;
+  at::Tensor seqs;
+};
+
+// From descriptors built on the host.
+template <typename Backend>
+DeviceSeqs host_seqs(const std::vector<SeqDesc>& seqs, const at::Tensor& q) {
+  const SeqBounds b = seq_bounds(seqs);
+  return {b, q.numel() == 0 || b.max_q_len == 0 ? at::Tensor() : seqs_tensor<Backend>(flatten(seqs), q)};
+}
+
 // The problem for operands q (and out) [.., Hq, .., D] and k/v [.., Hkv, .., D] with the given
 // token and head strides (in elements) and lse head stride.
-inline AttentionProblem make_problem(const SeqBounds& bounds, const at::Tensor& seqs_dev,
-                                     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     int64_t q_token_dim, int64_t q_head_dim, int64_t lse_stride_head,
+inline AttentionProblem make_problem(const DeviceSeqs& d, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, int64_t q_token_dim, int64_t q_head_dim, int64_t lse_stride_head,
                                      double scale, bool causal) {
   AttentionProblem p;
-  p.num_seqs = bounds.num_seqs;
+  p.num_seqs = d.bounds.num_seqs;
   p.heads_q = q.size(q_head_dim);
   p.heads_kv = k.size(q_head_dim);
   p.head_dim = q.size(-1);
-  p.max_q_len = bounds.max_q_len;
-  p.max_kv_len = bounds.max_kv_len;
-  p.seqs = seqs_dev.const_data_ptr<int64_t>();
-  p.status = seqs_dev.mutable_data_ptr<int64_t>() + p.num_seqs * kAttentionSeqFields;
+  p.max_q_len = d.bounds.max_q_len;
+  p.max_kv_len = d.bounds.max_kv_len;
+  p.seqs = d.seqs.const_data_ptr<int64_t>();
+  p.status = d.seqs.mutable_data_ptr<int64_t>() + p.num_seqs * kAttentionSeqFields;
   p.q = q.const_data_ptr();
   p.q_stride_token = q.stride(q_token_dim);
   p.q_stride_head = q.stride(q_head_dim);
@@ -292,12 +305,10 @@ struct AttentionLayout {
   int64_t lse_stride_head;
 };
 
-// seqs_dev: [num_seqs][kAttentionSeqFields] int64 and the zero status word, on q's device,
-// within `bounds`.
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const AttentionOperands& x,
-                                                        const SeqBounds& bounds, const at::Tensor& seqs_dev,
-                                                        const AttentionLayout& layout, double scale,
+                                                        const DeviceSeqs& d, const AttentionLayout& layout,
+                                                        double scale,
                                                         bool causal, bool any_padding) {
   const at::Tensor& q = x.q;
   // Rows no sequence owns (padding) are never written by the kernels: zero output, lse = -inf
@@ -306,24 +317,13 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const At
   at::Tensor out = any_padding ? at::zeros_like(q) : at::empty_like(q);
   at::Tensor lse = any_padding ? at::full(layout.lse_shape, -std::numeric_limits<float>::infinity(), f32)
                                : at::empty(layout.lse_shape, f32);
-  if (q.numel() == 0 || bounds.max_q_len == 0) return {out, lse};
-  AttentionProblem p = make_problem(bounds, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
+  if (q.numel() == 0 || d.bounds.max_q_len == 0) return {out, lse};
+  AttentionProblem p = make_problem(d, q, x.k, x.v, layout.token_dim, layout.head_dim,
                                     layout.lse_stride_head, scale, causal);
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr<float>();
   Backend::fwd(op, q.scalar_type(), p, q);
   return {out, lse};
-}
-
-// The same from descriptors read on the host.
-template <typename Backend>
-std::tuple<at::Tensor, at::Tensor> attention_fwd_common(const char* op, const AttentionOperands& x,
-                                                        const std::vector<SeqDesc>& seqs,
-                                                        const AttentionLayout& layout, double scale,
-                                                        bool causal, bool any_padding) {
-  const SeqBounds bounds = seq_bounds(seqs);
-  const at::Tensor seqs_dev = x.q.numel() == 0 || bounds.max_q_len == 0 ? at::Tensor() : seqs_tensor<Backend>(flatten(seqs), x.q);
-  return attention_fwd_common<Backend>(op, x, bounds, seqs_dev, layout, scale, causal, any_padding);
 }
 
 inline void check_backward_extras(const char* op, const at::Tensor& grad_out, const at::Tensor& out,
@@ -344,25 +344,24 @@ inline void check_backward_extras(const char* op, const at::Tensor& grad_out, co
               " but q is on ", q.device());
 }
 
-// seqs_dev as for attention_fwd_common.
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
     const char* op, const AttentionOperands& x, const at::Tensor& grad_out, const at::Tensor& out,
-    const at::Tensor& lse, const SeqBounds& bounds, const at::Tensor& seqs_dev, const AttentionLayout& layout,
-    double scale, bool causal, bool any_padding) {
+    const at::Tensor& lse, const DeviceSeqs& d, const AttentionLayout& layout, double scale, bool causal,
+    bool any_padding) {
   const at::Tensor& q = x.q;
   // Padding rows and keys get zero gradients: the kernels write only the sequences' tokens, and
   // keys of no sequence are written by no one.
   at::Tensor dq = any_padding ? at::zeros_like(q) : at::empty_like(q);
   at::Tensor dk = any_padding ? at::zeros_like(x.k) : at::empty_like(x.k);
   at::Tensor dv = any_padding ? at::zeros_like(x.k) : at::empty_like(x.k);
-  if (q.numel() == 0 || bounds.max_q_len == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  if (q.numel() == 0 || d.bounds.max_q_len == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   const at::Tensor don = same_layout(grad_out, q);
   const at::Tensor on = same_layout(out, q);
   const at::Tensor lsen = lse.contiguous();
   at::Tensor delta = at::empty_like(lsen);
   AttentionGradProblem g;
-  g.fwd = make_problem(bounds, seqs_dev, q, x.k, x.v, layout.token_dim, layout.head_dim,
+  g.fwd = make_problem(d, q, x.k, x.v, layout.token_dim, layout.head_dim,
                        layout.lse_stride_head, scale, causal);
   // The kernels only read these two through the gradient problem.
   g.fwd.out = const_cast<void*>(on.const_data_ptr());
@@ -376,35 +375,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
   return {dq, dk, dv};
 }
 
-// The same from descriptors read on the host.
+// attention_varlen's descriptors. validate: cu_seqlens read and checked on the host. Without:
+// built and checked on the device, the grids sized from max_seqlen (then required).
 template <typename Backend>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_common(
-    const char* op, const AttentionOperands& x, const at::Tensor& grad_out, const at::Tensor& out,
-    const at::Tensor& lse, const std::vector<SeqDesc>& seqs, const AttentionLayout& layout,
-    double scale, bool causal, bool any_padding) {
-  const SeqBounds bounds = seq_bounds(seqs);
-  const at::Tensor seqs_dev = x.q.numel() == 0 || bounds.max_q_len == 0 ? at::Tensor() : seqs_tensor<Backend>(flatten(seqs), x.q);
-  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, bounds, seqs_dev, layout, scale, causal,
-                                       any_padding);
-}
-
-// attention_varlen(validate=True): cu_seqlens read and checked on the host.
-inline std::vector<SeqDesc> varlen_seqs(const char* op, const AttentionOperands& x, const at::Tensor& cu_seqlens,
-                                        std::optional<int64_t> max_seqlen) {
+DeviceSeqs varlen_seqs(const char* op, const AttentionOperands& x, const at::Tensor& cu_seqlens,
+                       std::optional<int64_t> max_seqlen, bool validate) {
+  if (validate) Backend::refuse_graph_capture(op);
   const SeqsFromLengths sp = varlen_lengths(op, x.q, x.k, cu_seqlens, max_seqlen);
-  return seqs_from_lengths(op, host_int64(op, "cu_seqlens", cu_seqlens, x.q), sp);
-}
-
-// attention_varlen(validate=False): descriptors built on the device from cu_seqlens, the grids
-// sized from max_seqlen (required: the host reads no length).
-template <typename Backend>
-std::pair<SeqBounds, at::Tensor> varlen_device_seqs(const char* op, const AttentionOperands& x,
-                                                    const at::Tensor& cu_seqlens,
-                                                    std::optional<int64_t> max_seqlen) {
+  if (validate) return host_seqs<Backend>(seqs_from_lengths(op, host_int64(op, "cu_seqlens", cu_seqlens, x.q), sp), x.q);
   TORCH_CHECK_VALUE(max_seqlen.has_value(), "rl_align::", op,
                     ": validate=False needs max_seqlen (the grid is sized from it; no length is read on the host)");
   TORCH_CHECK_VALUE(*max_seqlen >= 0, "rl_align::", op, ": max_seqlen must be >= 0, got ", *max_seqlen);
-  const SeqsFromLengths sp = varlen_lengths(op, x.q, x.k, cu_seqlens, max_seqlen);
   TORCH_CHECK_VALUE(sp.num_seqs > 0 || sp.total_tokens == 0, "rl_align::", op, ": cu_seqlens of shape [1] holds no ",
                     "sequence for ", sp.total_tokens, " tokens");
   return {SeqBounds{sp.num_seqs, *max_seqlen, *max_seqlen}, Backend::device_seqs(op, cu_seqlens, sp)};
@@ -430,7 +411,8 @@ std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& q, const at:
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
   bool any_padding = false;
   const std::vector<SeqDesc> seqs = padded_seqs(op, x.q, x.k, padding_mask, &any_padding);
-  return attention_fwd_common<Backend>(op, x, seqs, padded_layout(q), s, causal, any_padding);
+  return attention_fwd_common<Backend>(op, x, host_seqs<Backend>(seqs, x.q), padded_layout(q), s, causal,
+                                       any_padding);
 }
 
 template <typename Backend>
@@ -446,7 +428,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
   bool any_padding = false;
   const std::vector<SeqDesc> seqs = padded_seqs(op, x.q, x.k, padding_mask, &any_padding);
-  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, seqs, layout,
+  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, host_seqs<Backend>(seqs, x.q), layout,
                                        attention_scale(op, scale, q.size(3)), causal, any_padding);
 }
 
@@ -458,16 +440,11 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_impl(const at::Tensor& q, co
                                                          std::optional<double> scale, bool causal,
                                                          bool validate) {
   constexpr const char* op = "attention_varlen";
-  if (validate) Backend::refuse_graph_capture(op);
   check_varlen(op, q, k, v);
   const double s = attention_scale(op, scale, q.size(2));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
-  if (!validate) {
-    const auto [bounds, seqs_dev] = varlen_device_seqs<Backend>(op, x, cu_seqlens, max_seqlen);
-    return attention_fwd_common<Backend>(op, x, bounds, seqs_dev, varlen_layout(q), s, causal, false);
-  }
-  return attention_fwd_common<Backend>(op, x, varlen_seqs(op, x, cu_seqlens, max_seqlen), varlen_layout(q), s,
-                                       causal, false);
+  return attention_fwd_common<Backend>(op, x, varlen_seqs<Backend>(op, x, cu_seqlens, max_seqlen, validate),
+                                       varlen_layout(q), s, causal, false);
 }
 
 template <typename Backend>
@@ -476,18 +453,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_impl(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens,
     std::optional<int64_t> max_seqlen, double scale, bool causal, bool validate) {
   constexpr const char* op = "attention_varlen_backward";
-  if (validate) Backend::refuse_graph_capture(op);
   check_varlen(op, q, k, v);
   const AttentionLayout layout = varlen_layout(q);
   check_backward_extras(op, grad_out, out, lse, q, layout.lse_shape);
   const double s = attention_scale(op, scale, q.size(2));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
-  if (!validate) {
-    const auto [bounds, seqs_dev] = varlen_device_seqs<Backend>(op, x, cu_seqlens, max_seqlen);
-    return attention_bwd_common<Backend>(op, x, grad_out, out, lse, bounds, seqs_dev, layout, s, causal, false);
-  }
-  return attention_bwd_common<Backend>(op, x, grad_out, out, lse, varlen_seqs(op, x, cu_seqlens, max_seqlen),
-                                       layout, s, causal, false);
+  return attention_bwd_common<Backend>(op, x, grad_out, out, lse,
+                                       varlen_seqs<Backend>(op, x, cu_seqlens, max_seqlen, validate), layout, s,
+                                       causal, false);
 }
 
 // KV cache: q [B, Hq, n, D] holds positions kv_len[b]-n .. kv_len[b]-1 of sequence b, whose keys
@@ -513,6 +486,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
   TORCH_CHECK_VALUE(n <= s_max, "rl_align::", op, ": q's ", n, " new tokens do not fit the cache (", s_max,
                     " positions)");
   check_index_tensor(op, "cache_seqlens", cache_seqlens, q);
+  if (validate) Backend::refuse_graph_capture(op);
   const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
   SeqsFromLengths sp;
   sp.num_seqs = batch;
@@ -521,13 +495,10 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
   sp.lse_stride = q.size(1) * n;
   sp.new_tokens = n;
   sp.max_len = s_max;
-  if (!validate) {
-    return attention_fwd_common<Backend>(op, x, SeqBounds{batch, n, s_max}, Backend::device_seqs(op, cache_seqlens, sp),
-                                         padded_layout(q), s, true, false);
-  }
-  Backend::refuse_graph_capture(op);
-  const std::vector<SeqDesc> seqs = seqs_from_lengths(op, host_int64(op, "cache_seqlens", cache_seqlens, q), sp);
-  return attention_fwd_common<Backend>(op, x, seqs, padded_layout(q), s, true, false);
+  const DeviceSeqs d =
+      validate ? host_seqs<Backend>(seqs_from_lengths(op, host_int64(op, "cache_seqlens", cache_seqlens, q), sp), x.q)
+               : DeviceSeqs{SeqBounds{batch, n, s_max}, Backend::device_seqs(op, cache_seqlens, sp)};
+  return attention_fwd_common<Backend>(op, x, d, padded_layout(q), s, true, false);
 }
 
 }  // namespace rl_align
