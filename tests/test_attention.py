@@ -239,6 +239,45 @@ def test_decode_without_host_validation(device, dtype):
             rl_engine_ext.attention_kvcache(q, k_cache, v_cache, bad, validate=False)
 
 
+@pytest.mark.parametrize("n", [1, 7])
+def test_left_padded_cache_read_in_place(device, dtype, n):
+    """cache_starts: each sequence's keys start at its own cache position (Hugging Face keeps a
+    batch's left padding inside the cache). Decode and chunked prefill from such a cache equal the
+    unpadded cache's rows bit for bit, validate=True and False, int32 and int64; the padding
+    positions (random values here, never read) and a start that does not fit are errors."""
+    hq, hkv, d, lengths = _config(device, dtype)
+    lengths = [length for length in lengths if length >= n]
+    seqs = _sequences(lengths, hq, hkv, d, dtype, device)
+    s_max = max(lengths) + 9
+    k_plain, v_plain = _cache(seqs, s_max)
+    starts = [s_max - length - (i % 3) for i, length in enumerate(lengths)]  # left padding, some slack at the end
+    gen = make_generator(5)
+    k_left = torch.randn(k_plain.shape, generator=gen).to(dtype=dtype, device=device)
+    v_left = torch.randn(v_plain.shape, generator=gen).to(dtype=dtype, device=device)
+    for i, (first, length) in enumerate(zip(starts, lengths)):
+        k_left[i, :, first : first + length] = k_plain[i, :, :length]
+        v_left[i, :, first : first + length] = v_plain[i, :, :length]
+    q = torch.stack([s[0][-n:].transpose(0, 1) for s in seqs])  # [B, Hq, n, D]
+    lens = torch.tensor(lengths, device=device)
+    want = rl_engine_ext.attention_kvcache(q, k_plain, v_plain, lens, return_lse=True)
+    for index_dtype in (torch.int32, torch.int64):
+        for validate in (True, False):
+            got = rl_engine_ext.attention_kvcache(q, k_left, v_left, lens.to(index_dtype), return_lse=True,
+                                                  validate=validate, cache_starts=torch.tensor(starts, device=device))
+            _assert_equal(got[0], want[0], f"n={n} {index_dtype} validate={validate} out")
+            _assert_equal(got[1], want[1], f"n={n} {index_dtype} validate={validate} lse")
+    bad = torch.tensor([s_max - lengths[0] + 1] + starts[1:], device=device)
+    with pytest.raises(ValueError, match=r"cache_starts\[0\] = \d+ with cache_seqlens\[0\] = \d+ does not fit"):
+        rl_engine_ext.attention_kvcache(q, k_left, v_left, lens, cache_starts=bad)
+    if device == "cuda":
+        assert_device_assert(
+            f"q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16, device='cuda'); kv = torch.zeros(1, 2, 8, 64, "
+            f"dtype=torch.bfloat16, device='cuda')\n",
+            "rl_engine_ext.attention_kvcache(q, kv, kv, torch.tensor([4], device='cuda'), validate=False, "
+            "cache_starts=torch.tensor([5], device='cuda'))",
+            "cache_starts 5 out of range")
+
+
 def test_packed_without_host_validation(device, dtype):
     """attention_varlen(validate=False) (cu_seqlens never read on the host): the same bits as
     validate=True, forward and backward, int32 and int64 cu_seqlens, max_seqlen exact or larger

@@ -85,13 +85,16 @@ constexpr int kAttentionSeqFields = 5;
 
 // Descriptors built from sequence lengths where those live (the ops' validate=False paths, which
 // read no length on the host): sequence s starts at element start(s) * stride of each operand,
-// start(s) = cu_seqlens[s] when packed, else s (one cache row per sequence).
+// start(s) = cu_seqlens[s] when packed, else s (one cache row per sequence). A KV cache may also
+// give per-row start offsets (cache_starts: a left-padded cache read in place): the sequence's
+// key 0 is then at cache position cache_starts[s], and positions count from there.
 struct SeqsFromLengths {
   bool packed = false;     // lengths: cu_seqlens [num_seqs + 1] (attention_varlen), else the KV
                            // lengths [num_seqs] (attention_kvcache)
   int64_t num_seqs = 0;
   int64_t q_stride = 0, kv_stride = 0, lse_stride = 0;
   int64_t new_tokens = 0;    // KV cache: each sequence's queries (its last positions), q_len
+  int64_t kv_position_stride = 0;  // KV cache: elements between cache positions (for cache_starts)
   int64_t max_len = 0;       // the longest allowed sequence: the cache's positions / max_seqlen
   int64_t total_tokens = 0;  // packed: where cu_seqlens must end (the token count)
 };

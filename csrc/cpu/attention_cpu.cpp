@@ -19,11 +19,11 @@ struct CpuBackend {
   static void refuse_graph_capture(const char*) {}
   static at::Tensor to_device(const at::Tensor& host, const at::Tensor&) { return host; }
   // validate=False: the lengths are in host memory, so they are checked as with validate.
-  static at::Tensor device_seqs(const char* op, const at::Tensor& lengths, const SeqsFromLengths& sp) {
-    const at::Tensor l = lengths.to(at::kLong).contiguous();
-    const int64_t* data = l.const_data_ptr<int64_t>();
-    return seqs_tensor<CpuBackend>(flatten(seqs_from_lengths(op, std::vector<int64_t>(data, data + l.numel()), sp)),
-                                   l);
+  static at::Tensor device_seqs(const char* op, const at::Tensor& lengths, const std::optional<at::Tensor>& starts,
+                                const SeqsFromLengths& sp) {
+    const std::vector<int64_t> l = host_int64(op, "lengths", lengths, lengths);
+    const std::vector<int64_t> first = starts ? host_int64(op, "cache_starts", *starts, lengths) : std::vector<int64_t>{};
+    return seqs_tensor<CpuBackend>(flatten(seqs_from_lengths(op, l, first, sp)), lengths);
   }
 };
 

@@ -55,10 +55,11 @@ gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& p, gpuStr
 gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 
 // attention_kvcache / attention_varlen without host validation: the sequence descriptors
-// (attention_problem.h) built on the device from `lengths` (int32 or int64; what they hold: sp),
-// then the zero status word (seqs: num_seqs * kAttentionSeqFields + 1 int64), and a device-side
-// assert (device_assert.cuh) for lengths outside sp's bounds. One kernel, no host synchronisation.
-gpuError_t attention_seqs_from_lengths(const void* lengths, bool lengths_int64, const SeqsFromLengths& sp,
-                                       int64_t* seqs, gpuStream_t stream);
+// (attention_problem.h) built on the device from `lengths` and the KV cache's optional
+// `cache_starts` (null: 0; both int32 or both int64; what they hold: sp), then the zero status
+// word (seqs: num_seqs * kAttentionSeqFields + 1 int64), and a device-side assert
+// (device_assert.cuh) for values outside sp's bounds. One kernel, no host synchronisation.
+gpuError_t attention_seqs_from_lengths(const void* lengths, const void* cache_starts, bool lengths_int64,
+                                       const SeqsFromLengths& sp, int64_t* seqs, gpuStream_t stream);
 
 }  // namespace rl_align

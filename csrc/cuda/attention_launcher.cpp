@@ -86,12 +86,16 @@ struct CudaBackend {
     return host.pin_memory().to(like.device(), /*non_blocking=*/true);
   }
   // validate=False: descriptors built and lengths checked on the device.
-  static at::Tensor device_seqs(const char* op, const at::Tensor& lengths, const SeqsFromLengths& sp) {
+  static at::Tensor device_seqs(const char* op, const at::Tensor& lengths, const std::optional<at::Tensor>& starts,
+                                const SeqsFromLengths& sp) {
     const c10::cuda::CUDAGuard guard(lengths.device());
-    const bool narrow = lengths.scalar_type() == at::kInt;
-    const at::Tensor l = narrow ? lengths.contiguous() : lengths.to(at::kLong).contiguous();
+    // Both int32 when lengths are (starts converted on the device), else both int64.
+    const at::ScalarType index_type = lengths.scalar_type() == at::kInt ? at::kInt : at::kLong;
+    const at::Tensor l = lengths.to(index_type).contiguous();
+    const at::Tensor first = starts ? starts->to(index_type).contiguous() : at::Tensor();
     at::Tensor seqs = at::empty({sp.num_seqs * kAttentionSeqFields + 1}, l.options().dtype(at::kLong));
-    check_launch(op, attention_seqs_from_lengths(l.const_data_ptr(), !narrow, sp, seqs.mutable_data_ptr<int64_t>(),
+    check_launch(op, attention_seqs_from_lengths(l.const_data_ptr(), starts ? first.const_data_ptr() : nullptr,
+                                                 index_type == at::kLong, sp, seqs.mutable_data_ptr<int64_t>(),
                                                  at::cuda::getCurrentCUDAStream()));
     return seqs;
   }

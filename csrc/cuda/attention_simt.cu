@@ -761,11 +761,11 @@ gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& gp, gpuSt
 namespace {
 
 template <typename I>
-__global__ void seqs_from_lengths_kernel(const I* lengths, SeqsFromLengths sp, int64_t* seqs) {
+__global__ void seqs_from_lengths_kernel(const I* lengths, const I* cache_starts, SeqsFromLengths sp, int64_t* seqs) {
   const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (s == 0) seqs[sp.num_seqs * kAttentionSeqFields] = 0;  // the status word
   if (s >= sp.num_seqs) return;
-  int64_t start = s, q_len, kv_len;
+  int64_t start = s, kv_first = 0, q_len, kv_len;
   if (sp.packed) {
     constexpr const char* op = "attention_varlen";
     start = static_cast<int64_t>(lengths[s]);
@@ -789,10 +789,17 @@ __global__ void seqs_from_lengths_kernel(const I* lengths, SeqsFromLengths sp, i
       fail_index_out_of_range("attention_kvcache", "cache_seqlens", kv_len, "a cache of ", sp.max_len,
                               " positions holding the new tokens");
     }
+    if (cache_starts != nullptr) {
+      kv_first = static_cast<int64_t>(cache_starts[s]);
+      if (kv_first < 0 || kv_first > sp.max_len - kv_len) {
+        fail_index_out_of_range("attention_kvcache", "cache_starts", kv_first,
+                                "a cache holding cache_seqlens positions from it in ", sp.max_len, "");
+      }
+    }
   }
   int64_t* f = seqs + s * kAttentionSeqFields;
   f[kSeqQBase] = start * sp.q_stride;
-  f[kSeqKvBase] = start * sp.kv_stride;
+  f[kSeqKvBase] = start * sp.kv_stride + kv_first * sp.kv_position_stride;
   f[kSeqLseBase] = start * sp.lse_stride;
   f[kSeqQLen] = q_len;
   f[kSeqKvLen] = kv_len;
@@ -800,15 +807,17 @@ __global__ void seqs_from_lengths_kernel(const I* lengths, SeqsFromLengths sp, i
 
 }  // namespace
 
-gpuError_t attention_seqs_from_lengths(const void* lengths, bool lengths_int64, const SeqsFromLengths& sp,
-                                       int64_t* seqs, gpuStream_t stream) {
+gpuError_t attention_seqs_from_lengths(const void* lengths, const void* cache_starts, bool lengths_int64,
+                                       const SeqsFromLengths& sp, int64_t* seqs, gpuStream_t stream) {
   if (sp.num_seqs == 0) return kGpuSuccess;  // no kernel reads the descriptors
   constexpr int kThreads = 128;
   const unsigned blocks = static_cast<unsigned>(ceil_div(sp.num_seqs, kThreads));
   if (lengths_int64) {
-    seqs_from_lengths_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(lengths), sp, seqs);
+    seqs_from_lengths_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(lengths),
+                                                              static_cast<const int64_t*>(cache_starts), sp, seqs);
   } else {
-    seqs_from_lengths_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(lengths), sp, seqs);
+    seqs_from_lengths_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(lengths),
+                                                              static_cast<const int32_t*>(cache_starts), sp, seqs);
   }
   return gpu_last_error();
 }

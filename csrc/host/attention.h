@@ -222,7 +222,7 @@ inline std::vector<SeqDesc> padded_seqs(const char* op, const at::Tensor& q, con
 // The descriptors of sequences given by their lengths (SeqsFromLengths), each length checked
 // on the host: a ValueError naming the bad one. The device builds the same (attention_kernels.h).
 inline std::vector<SeqDesc> seqs_from_lengths(const char* op, const std::vector<int64_t>& lengths,
-                                              const SeqsFromLengths& sp) {
+                                              const std::vector<int64_t>& cache_starts, const SeqsFromLengths& sp) {
   std::vector<SeqDesc> seqs;
   seqs.reserve(sp.num_seqs);
   if (sp.packed) {
@@ -244,7 +244,12 @@ inline std::vector<SeqDesc> seqs_from_lengths(const char* op, const std::vector<
                         "] = ", kv_len, " must hold the ", q_len, " new tokens and fit the cache (", sp.max_len,
                         " positions)");
     }
-    seqs.push_back({start * sp.q_stride, start * sp.kv_stride, start * sp.lse_stride, q_len, kv_len});
+    const int64_t kv_first = cache_starts.empty() ? 0 : cache_starts[i];
+    TORCH_CHECK_VALUE(kv_first >= 0 && kv_first <= sp.max_len - kv_len, "rl_align::", op, ": cache_starts[", i,
+                      "] = ", kv_first, " with cache_seqlens[", i, "] = ", kv_len, " does not fit the cache (",
+                      sp.max_len, " positions)");
+    seqs.push_back({start * sp.q_stride, start * sp.kv_stride + kv_first * sp.kv_position_stride,
+                    start * sp.lse_stride, q_len, kv_len});
   }
   return seqs;
 }
@@ -382,13 +387,13 @@ DeviceSeqs varlen_seqs(const char* op, const AttentionOperands& x, const at::Ten
                        std::optional<int64_t> max_seqlen, bool validate) {
   if (validate) Backend::refuse_graph_capture(op);
   const SeqsFromLengths sp = varlen_lengths(op, x.q, x.k, cu_seqlens, max_seqlen);
-  if (validate) return host_seqs<Backend>(seqs_from_lengths(op, host_int64(op, "cu_seqlens", cu_seqlens, x.q), sp), x.q);
+  if (validate) return host_seqs<Backend>(seqs_from_lengths(op, host_int64(op, "cu_seqlens", cu_seqlens, x.q), {}, sp), x.q);
   TORCH_CHECK_VALUE(max_seqlen.has_value(), "rl_align::", op,
                     ": validate=False needs max_seqlen (the grid is sized from it; no length is read on the host)");
   TORCH_CHECK_VALUE(*max_seqlen >= 0, "rl_align::", op, ": max_seqlen must be >= 0, got ", *max_seqlen);
   TORCH_CHECK_VALUE(sp.num_seqs > 0 || sp.total_tokens == 0, "rl_align::", op, ": cu_seqlens of shape [1] holds no ",
                     "sequence for ", sp.total_tokens, " tokens");
-  return {SeqBounds{sp.num_seqs, *max_seqlen, *max_seqlen}, Backend::device_seqs(op, cu_seqlens, sp)};
+  return {SeqBounds{sp.num_seqs, *max_seqlen, *max_seqlen}, Backend::device_seqs(op, cu_seqlens, std::nullopt, sp)};
 }
 
 inline AttentionLayout padded_layout(const at::Tensor& q) {
@@ -464,7 +469,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_impl(
 }
 
 // KV cache: q [B, Hq, n, D] holds positions kv_len[b]-n .. kv_len[b]-1 of sequence b, whose keys
-// and values 0 .. kv_len[b]-1 are in k_cache/v_cache [B, Hkv, S_max, D] (the new ones included).
+// and values 0 .. kv_len[b]-1 are in k_cache/v_cache [B, Hkv, S_max, D] (the new ones included),
+// at cache positions start[b] .. start[b]+kv_len[b]-1 (start = cache_starts, or 0: a left-padded
+// cache is read in place; positions, blocks and splits count from the sequence's own key 0).
 // validate: the lengths are read and checked on the host (a ValueError), one device-to-host copy.
 // Without: the descriptors are built on the device from cache_seqlens and the Backend checks the
 // lengths where they are (CUDA: a device-side assert), so a decode step has no host
@@ -474,7 +481,8 @@ template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache,
                                                           const at::Tensor& cache_seqlens,
-                                                          std::optional<double> scale, bool validate) {
+                                                          std::optional<double> scale, bool validate,
+                                                          const std::optional<at::Tensor>& cache_starts) {
   constexpr const char* op = "attention_kvcache";
   check_attention_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]");
   TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "rl_align::", op, ": q ", q.sizes(), " and k_cache ",
@@ -486,6 +494,11 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
   TORCH_CHECK_VALUE(n <= s_max, "rl_align::", op, ": q's ", n, " new tokens do not fit the cache (", s_max,
                     " positions)");
   check_index_tensor(op, "cache_seqlens", cache_seqlens, q);
+  if (cache_starts) {
+    TORCH_CHECK_VALUE(cache_starts->dim() == 1 && cache_starts->size(0) == q.size(0), "rl_align::", op,
+                      ": cache_starts must have shape [", q.size(0), "], got ", cache_starts->sizes());
+    check_index_tensor(op, "cache_starts", *cache_starts, q);
+  }
   if (validate) Backend::refuse_graph_capture(op);
   const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);
   SeqsFromLengths sp;
@@ -494,10 +507,15 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
   sp.kv_stride = x.k.stride(0);
   sp.lse_stride = q.size(1) * n;
   sp.new_tokens = n;
+  sp.kv_position_stride = x.k.stride(2);
   sp.max_len = s_max;
   const DeviceSeqs d =
-      validate ? host_seqs<Backend>(seqs_from_lengths(op, host_int64(op, "cache_seqlens", cache_seqlens, q), sp), x.q)
-               : DeviceSeqs{SeqBounds{batch, n, s_max}, Backend::device_seqs(op, cache_seqlens, sp)};
+      validate ? host_seqs<Backend>(seqs_from_lengths(op, host_int64(op, "cache_seqlens", cache_seqlens, q),
+                                                      cache_starts ? host_int64(op, "cache_starts", *cache_starts, q)
+                                                                   : std::vector<int64_t>{},
+                                                      sp),
+                                    x.q)
+               : DeviceSeqs{SeqBounds{batch, n, s_max}, Backend::device_seqs(op, cache_seqlens, cache_starts, sp)};
   return attention_fwd_common<Backend>(op, x, d, padded_layout(q), s, true, false);
 }
 

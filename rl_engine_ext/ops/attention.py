@@ -171,7 +171,7 @@ def check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max
     _check_unvalidated_varlen(op, cu_seqlens, max_seqlen, q, validate)
 
 
-def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=True) -> None:
+def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=True, cache_starts=None) -> None:
     op = "attention_kvcache"
     _check_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]")
     if k_cache.shape[0] != q.shape[0]:
@@ -182,6 +182,10 @@ def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, vali
     if q.shape[2] > k_cache.shape[2]:
         raise _checks.fail(op, f"q's {q.shape[2]} new tokens do not fit the cache ({k_cache.shape[2]} positions)")
     _checks.check_index_tensor(op, "cache_seqlens", cache_seqlens, q)
+    if cache_starts is not None:
+        if cache_starts.dim() != 1 or cache_starts.shape[0] != q.shape[0]:
+            raise _checks.fail(op, f"cache_starts must have shape [{q.shape[0]}], got {list(cache_starts.shape)}")
+        _checks.check_index_tensor(op, "cache_starts", cache_starts, q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,15 +292,20 @@ def _varlen(op, q, k, v, cu_seqlens, max_seqlen, scale, causal, fp32_out):
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def _kvcache(q, k_cache, v_cache, cache_seqlens, scale, fp32_out):
+def _kvcache(q, k_cache, v_cache, cache_seqlens, cache_starts, scale, fp32_out):
     b, hq, n, _ = q.shape
     lens = cache_seqlens.tolist()
+    starts = [0] * b if cache_starts is None else cache_starts.tolist()
     outs, lses = [], []
-    for i, length in enumerate(lens):
+    for i, (length, first) in enumerate(zip(lens, starts)):
         if not n <= length <= k_cache.shape[2]:
             raise _checks.fail("attention_kvcache", f"cache_seqlens[{i}] = {length} must hold the {n} new tokens and "
                                                     f"fit the cache ({k_cache.shape[2]} positions)")
-        o, l = _sequence_attention(q[i], k_cache[i, :, :length], v_cache[i, :, :length], length - n, scale, True, fp32_out)
+        if not 0 <= first <= k_cache.shape[2] - length:
+            raise _checks.fail("attention_kvcache", f"cache_starts[{i}] = {first} with cache_seqlens[{i}] = {length} "
+                                                    f"does not fit the cache ({k_cache.shape[2]} positions)")
+        keys = slice(first, first + length)
+        o, l = _sequence_attention(q[i], k_cache[i, :, keys], v_cache[i, :, keys], length - n, scale, True, fp32_out)
         outs.append(o)
         lses.append(l)
     if b == 0:
@@ -329,10 +338,12 @@ def reference_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, causal=Tr
     return _varlen(op, q, k, v, cu_seqlens, max_seqlen, _scale(op, scale, q.shape[-1]), causal, fp32_out)
 
 
-def reference_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=True, fp32_out=False):
+def reference_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=True, cache_starts=None,
+                      fp32_out=False):
     """The reference reads the lengths on the host whatever ``validate`` says."""
-    check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale, validate)
-    return _kvcache(q, k_cache, v_cache, cache_seqlens, _scale("attention_kvcache", scale, q.shape[-1]), fp32_out)
+    check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale, validate, cache_starts)
+    return _kvcache(q, k_cache, v_cache, cache_seqlens, cache_starts, _scale("attention_kvcache", scale, q.shape[-1]),
+                    fp32_out)
 
 
 def _sequence_grads(q, k, v, dout, scale: float, causal: bool):
@@ -479,8 +490,14 @@ def attention_kvcache(
     scale: float | None = None,
     return_lse: bool = False,
     validate: bool = True,
+    cache_starts: torch.Tensor | None = None,
 ):
     """KV-cache attention (decode / chunked prefill): the same bits as the full prefill.
+
+    Sequence ``b``'s keys and values are at cache positions ``cache_starts[b] ..
+    cache_starts[b] + cache_seqlens[b] - 1`` (``cache_starts=None``: from 0). A left-padded cache
+    (Hugging Face's batch generation keeps the prompts' left padding in it) is read in place with
+    ``cache_starts`` = each row's padding count: the result is the unpadded sequence's, bit for bit.
 
     ``validate=True`` reads ``cache_seqlens`` on the host and raises a ValueError for a length
     outside ``[n, S_max]`` (one device-to-host copy per call). ``validate=False`` never reads them
@@ -488,7 +505,7 @@ def attention_kvcache(
     replayed with new lengths; a bad length is then a device-side assert on CUDA (the context is
     unusable afterwards, as after F.embedding's), still an error on the CPU, never an
     out-of-bounds read."""
-    out, lse = OPS.attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale, validate)
+    out, lse = OPS.attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale, validate, cache_starts)
     return (out, lse) if return_lse else out
 
 
@@ -526,6 +543,10 @@ def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
                                              0.125, True, False)),
         Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None)),
         Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 20], device=device), None, False)),
+        Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 12], device=device), None, True,
+                                     torch.tensor([7, 0], device=device))),
+        Sample("attention_kvcache", (q[:, :, :3], k, v, torch.tensor([10, 12], device=device, dtype=torch.int32), None,
+                                     False, torch.tensor([10, 8], device=device))),
     ]
 
 
@@ -585,6 +606,14 @@ def _bad_inputs(device: str) -> list[BadInput]:
                  r"cache_seqlens must have shape \[2\]"),
         BadInput("attention_kvcache", (q[:, :, :2], kv[:1], kv[:1], torch.tensor([4, 4], device=device), None), ValueError,
                  "same batch size"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, True,
+                 torch.tensor([5, 0], device=device)), ValueError, r"cache_starts\[0\] = 5", value_dependent=True),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, True,
+                 torch.tensor([0, -1], device=device)), ValueError, r"cache_starts\[1\] = -1", value_dependent=True),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, True,
+                 torch.tensor([0], device=device)), ValueError, r"cache_starts must have shape \[2\]"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, True,
+                 torch.tensor([0.0, 1.0], device=device)), ValueError, "cache_starts must be a bool or integer"),
     ]
     if device == "cpu":  # validate=False checks the values where they are: here, on the host
         bad += [
