@@ -9,6 +9,7 @@ and rl_engine_ext.contract for the dtype policy and tolerances.
 from . import _native, _shim
 from ._native import NATIVE_AVAILABLE, NATIVE_UNAVAILABLE_REASON, has_native_kernel
 from .ops import SPECS
+from .main_grad import fp32_grad_accumulation  # also binds the module rl_engine_ext.main_grad
 
 _shim.install()
 
@@ -17,6 +18,7 @@ for _spec in SPECS:
     globals().update(_spec.exports)
 
 __all__ = sorted(
-    ["NATIVE_AVAILABLE", "NATIVE_UNAVAILABLE_REASON", "has_native_kernel"] + [n for s in SPECS for n in s.exports]
+    ["NATIVE_AVAILABLE", "NATIVE_UNAVAILABLE_REASON", "fp32_grad_accumulation", "has_native_kernel", "main_grad"]
+    + [n for s in SPECS for n in s.exports]
 )
 del _spec
