@@ -10,6 +10,8 @@ from . import _native, _shim
 from ._native import NATIVE_AVAILABLE, NATIVE_UNAVAILABLE_REASON, has_native_kernel
 from .ops import SPECS
 from .main_grad import fp32_grad_accumulation  # also binds the module rl_engine_ext.main_grad
+from .hf import (PatchHandle, apply_rl_align_to_llama, apply_rl_align_to_qwen2, apply_rl_align_to_qwen3,
+                 generate_with_logprobs, grad_accumulation_tile_tokens, patch, token_logprobs)
 
 _shim.install()
 
@@ -18,7 +20,9 @@ for _spec in SPECS:
     globals().update(_spec.exports)
 
 __all__ = sorted(
-    ["NATIVE_AVAILABLE", "NATIVE_UNAVAILABLE_REASON", "fp32_grad_accumulation", "has_native_kernel", "main_grad"]
+    ["NATIVE_AVAILABLE", "NATIVE_UNAVAILABLE_REASON", "fp32_grad_accumulation", "has_native_kernel", "main_grad",
+     "PatchHandle", "apply_rl_align_to_llama", "apply_rl_align_to_qwen2", "apply_rl_align_to_qwen3",
+     "generate_with_logprobs", "grad_accumulation_tile_tokens", "patch", "token_logprobs"]
     + [n for s in SPECS for n in s.exports]
 )
 del _spec

@@ -235,7 +235,7 @@ def test_decode_without_host_validation(device, dtype):
             _assert_equal(got[1], want[1], f"n={n} {len_dtype} lse")
     if device == "cpu":
         bad = torch.tensor([lengths[0]] * (len(lengths) - 1) + [max(lengths) + 4], device=device)
-        with pytest.raises(ValueError, match=r"cache_seqlens\[\d+\] = \d+ must hold the 2 new tokens and fit the cache"):
+        with pytest.raises(ValueError, match=r"cache_seqlens\[\d+\] = \d+ must be within \[0, \d+\] \(2 new tokens"):
             rl_engine_ext.attention_kvcache(q, k_cache, v_cache, bad, validate=False)
 
 
@@ -276,6 +276,34 @@ def test_left_padded_cache_read_in_place(device, dtype, n):
             "rl_engine_ext.attention_kvcache(q, kv, kv, torch.tensor([4], device='cuda'), validate=False, "
             "cache_starts=torch.tensor([5], device='cuda'))",
             "cache_starts 5 out of range")
+
+
+def test_chunk_starting_before_its_sequence(device, dtype):
+    """A chunk of n > 1 queries with cache_seqlens[b] < n (chunked prefill of a left-padded batch:
+    the sequence starts inside the chunk, or later): the sequence's own queries are its prefill
+    rows bit for bit, the ones before its position 0 are padding (out 0, lse -inf); validate=True
+    and False agree; decode (n = 1) still needs its token."""
+    hq, hkv, d, lengths = _config(device, dtype)
+    lengths = [length for length in lengths if length <= 64]
+    seqs = _sequences(lengths, hq, hkv, d, dtype, device)
+    alone = _alone(seqs, grad=False)
+    n = 64
+    k_cache, v_cache = _cache(seqs, n + 3)
+    q = torch.stack([torch.cat([torch.full((n - s[0].shape[0], hq, d), float("nan"), dtype=dtype, device=device),
+                                s[0]]).transpose(0, 1) for s in seqs] + [seqs[0][0][:1].expand(n, hq, d).transpose(0, 1)])
+    k_cache = torch.cat([k_cache, k_cache[:1]])
+    v_cache = torch.cat([v_cache, v_cache[:1]])
+    lens = torch.tensor(lengths + [0], device=device)  # the last row holds none of its sequence yet
+    for validate in (True, False):
+        out, lse = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True, validate=validate)
+        for i, length in enumerate(lengths + [0]):
+            if length:
+                _assert_equal(out[i, :, n - length :].transpose(0, 1), alone[i][0], f"seq {i} out")
+                _assert_equal(lse[i, :, n - length :], alone[i][1], f"seq {i} lse")
+            assert torch.equal(out[i, :, : n - length], torch.zeros_like(out[i, :, : n - length])), f"seq {i} padding"
+            assert bool(torch.all(lse[i, :, : n - length] == -math.inf)), f"seq {i} padding lse"
+    with pytest.raises(ValueError, match=r"cache_seqlens\[\d+\] = 0 must be within \[1, "):
+        rl_engine_ext.attention_kvcache(q[:, :, -1:], k_cache, v_cache, lens)
 
 
 def test_packed_without_host_validation(device, dtype):

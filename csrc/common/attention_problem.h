@@ -93,11 +93,18 @@ struct SeqsFromLengths {
                            // lengths [num_seqs] (attention_kvcache)
   int64_t num_seqs = 0;
   int64_t q_stride = 0, kv_stride = 0, lse_stride = 0;
-  int64_t new_tokens = 0;    // KV cache: each sequence's queries (its last positions), q_len
+  int64_t new_tokens = 0;    // KV cache: each sequence's queries (its last positions), q_len;
+                             // a sequence shorter than that (new_tokens > 1 only) owns its last
+                             // kv_len queries, the ones before its position 0 are padding
+  int64_t q_token_stride = 0;  // KV cache: elements between queries (to skip padding queries)
   int64_t kv_position_stride = 0;  // KV cache: elements between cache positions (for cache_starts)
   int64_t max_len = 0;       // the longest allowed sequence: the cache's positions / max_seqlen
   int64_t total_tokens = 0;  // packed: where cu_seqlens must end (the token count)
 };
+
+// The shortest sequence a KV-cache call of n new tokens takes: decode needs its new token; a chunk
+// of n > 1 may start before the sequence (its first queries are then padding), even hold none of it.
+RL_ALIGN_HOST_DEVICE int64_t kvcache_min_length(int64_t new_tokens) { return new_tokens > 1 ? 0 : new_tokens; }
 
 struct AttentionProblem {
   int64_t num_seqs = 0;

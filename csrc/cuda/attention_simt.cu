@@ -784,8 +784,8 @@ __global__ void seqs_from_lengths_kernel(const I* lengths, const I* cache_starts
     q_len = kv_len = end - start;
   } else {
     kv_len = static_cast<int64_t>(lengths[s]);
-    q_len = sp.new_tokens;
-    if (kv_len < q_len || kv_len > sp.max_len) {
+    q_len = kv_len < sp.new_tokens ? kv_len : sp.new_tokens;
+    if (kv_len < kvcache_min_length(sp.new_tokens) || kv_len > sp.max_len) {
       fail_index_out_of_range("attention_kvcache", "cache_seqlens", kv_len, "a cache of ", sp.max_len,
                               " positions holding the new tokens");
     }
@@ -797,10 +797,11 @@ __global__ void seqs_from_lengths_kernel(const I* lengths, const I* cache_starts
       }
     }
   }
+  const int64_t padding_queries = sp.packed ? 0 : sp.new_tokens - q_len;
   int64_t* f = seqs + s * kAttentionSeqFields;
-  f[kSeqQBase] = start * sp.q_stride;
+  f[kSeqQBase] = start * sp.q_stride + padding_queries * sp.q_token_stride;
   f[kSeqKvBase] = start * sp.kv_stride + kv_first * sp.kv_position_stride;
-  f[kSeqLseBase] = start * sp.lse_stride;
+  f[kSeqLseBase] = start * sp.lse_stride + padding_queries;
   f[kSeqQLen] = q_len;
   f[kSeqKvLen] = kv_len;
 }

@@ -233,23 +233,26 @@ inline std::vector<SeqDesc> seqs_from_lengths(const char* op, const std::vector<
   for (int64_t i = 0; i < sp.num_seqs; ++i) {
     const int64_t start = sp.packed ? lengths[i] : i;
     const int64_t kv_len = sp.packed ? lengths[i + 1] - start : lengths[i];
-    const int64_t q_len = sp.packed ? kv_len : sp.new_tokens;
+    const int64_t q_len = sp.packed ? kv_len : std::min(sp.new_tokens, kv_len);
     if (sp.packed) {
       TORCH_CHECK_VALUE(kv_len >= 0, "rl_align::", op, ": cu_seqlens must be non-decreasing, got ", start,
                         " then ", lengths[i + 1]);
       TORCH_CHECK_VALUE(kv_len <= sp.max_len, "rl_align::", op, ": sequence ", i, " has ", kv_len,
                         " tokens, more than max_seqlen = ", sp.max_len);
     } else {
-      TORCH_CHECK_VALUE(kv_len >= q_len && kv_len <= sp.max_len, "rl_align::", op, ": cache_seqlens[", i,
-                        "] = ", kv_len, " must hold the ", q_len, " new tokens and fit the cache (", sp.max_len,
-                        " positions)");
+      const int64_t min_len = kvcache_min_length(sp.new_tokens);
+      TORCH_CHECK_VALUE(kv_len >= min_len && kv_len <= sp.max_len, "rl_align::", op, ": cache_seqlens[", i, "] = ",
+                        kv_len, " must be within [", min_len, ", ", sp.max_len, "] (", sp.new_tokens,
+                        " new tokens, a cache of ", sp.max_len, " positions)");
     }
     const int64_t kv_first = cache_starts.empty() ? 0 : cache_starts[i];
     TORCH_CHECK_VALUE(kv_first >= 0 && kv_first <= sp.max_len - kv_len, "rl_align::", op, ": cache_starts[", i,
                       "] = ", kv_first, " with cache_seqlens[", i, "] = ", kv_len, " does not fit the cache (",
                       sp.max_len, " positions)");
-    seqs.push_back({start * sp.q_stride, start * sp.kv_stride + kv_first * sp.kv_position_stride,
-                    start * sp.lse_stride, q_len, kv_len});
+    const int64_t padding_queries = sp.packed ? 0 : sp.new_tokens - q_len;
+    seqs.push_back({start * sp.q_stride + padding_queries * sp.q_token_stride,
+                    start * sp.kv_stride + kv_first * sp.kv_position_stride,
+                    start * sp.lse_stride + padding_queries, q_len, kv_len});
   }
   return seqs;
 }
@@ -468,7 +471,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_impl(
                                        causal, false);
 }
 
-// KV cache: q [B, Hq, n, D] holds positions kv_len[b]-n .. kv_len[b]-1 of sequence b, whose keys
+// KV cache: q [B, Hq, n, D] holds positions kv_len[b]-n .. kv_len[b]-1 of sequence b (those before
+// 0, when a chunk of n > 1 starts before the sequence does, are padding: out 0, lse -inf), whose keys
 // and values 0 .. kv_len[b]-1 are in k_cache/v_cache [B, Hkv, S_max, D] (the new ones included),
 // at cache positions start[b] .. start[b]+kv_len[b]-1 (start = cache_starts, or 0: a left-padded
 // cache is read in place; positions, blocks and splits count from the sequence's own key 0).
@@ -507,6 +511,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
   sp.kv_stride = x.k.stride(0);
   sp.lse_stride = q.size(1) * n;
   sp.new_tokens = n;
+  sp.q_token_stride = x.q.stride(2);
   sp.kv_position_stride = x.k.stride(2);
   sp.max_len = s_max;
   const DeviceSeqs d =
@@ -516,7 +521,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
                                                       sp),
                                     x.q)
                : DeviceSeqs{SeqBounds{batch, n, s_max}, Backend::device_seqs(op, cache_seqlens, cache_starts, sp)};
-  return attention_fwd_common<Backend>(op, x, d, padded_layout(q), s, true, false);
+  // Chunks may start before a sequence does (padding queries): their rows keep out 0, lse -inf.
+  return attention_fwd_common<Backend>(op, x, d, padded_layout(q), s, true, n > 1);
 }
 
 }  // namespace rl_align

@@ -297,17 +297,20 @@ def _kvcache(q, k_cache, v_cache, cache_seqlens, cache_starts, scale, fp32_out):
     lens = cache_seqlens.tolist()
     starts = [0] * b if cache_starts is None else cache_starts.tolist()
     outs, lses = [], []
+    min_len = 0 if n > 1 else n  # decode needs its new token; a chunk may start before its sequence
     for i, (length, first) in enumerate(zip(lens, starts)):
-        if not n <= length <= k_cache.shape[2]:
-            raise _checks.fail("attention_kvcache", f"cache_seqlens[{i}] = {length} must hold the {n} new tokens and "
-                                                    f"fit the cache ({k_cache.shape[2]} positions)")
+        if not min_len <= length <= k_cache.shape[2]:
+            raise _checks.fail("attention_kvcache", f"cache_seqlens[{i}] = {length} must be within [{min_len}, "
+                                                    f"{k_cache.shape[2]}] ({n} new tokens, a cache of "
+                                                    f"{k_cache.shape[2]} positions)")
         if not 0 <= first <= k_cache.shape[2] - length:
             raise _checks.fail("attention_kvcache", f"cache_starts[{i}] = {first} with cache_seqlens[{i}] = {length} "
                                                     f"does not fit the cache ({k_cache.shape[2]} positions)")
-        keys = slice(first, first + length)
-        o, l = _sequence_attention(q[i], k_cache[i, :, keys], v_cache[i, :, keys], length - n, scale, True, fp32_out)
-        outs.append(o)
-        lses.append(l)
+        keys, own = slice(first, first + length), min(n, length)  # queries before position 0: padding
+        o, l = _sequence_attention(q[i, :, n - own :], k_cache[i, :, keys], v_cache[i, :, keys], length - own, scale,
+                                   True, fp32_out)
+        outs.append(torch.cat([o.new_zeros(hq, n - own, o.shape[-1]), o], dim=1))
+        lses.append(torch.cat([l.new_full((hq, n - own), -math.inf), l], dim=1))
     if b == 0:
         return q.new_zeros(q.shape, dtype=torch.float32 if fp32_out else q.dtype), q.new_zeros((0, hq, n), dtype=torch.float32)
     return torch.stack(outs), torch.stack(lses)
@@ -596,10 +599,12 @@ def _bad_inputs(device: str) -> list[BadInput]:
                                                False), ValueError, "validate=False needs max_seqlen"),
         BadInput("attention_varlen_backward", (qp, qp, kvp, kvp, qp, lse[0, :, :4], cu, None, 0.125, True), ValueError,
                  "lse must be torch.float32 of shape"),
-        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([0, 8], device=device), None), ValueError,
-                 "cache_seqlens", value_dependent=True),
+        BadInput("attention_kvcache", (q[:, :, :1], kv, kv, torch.tensor([0, 8], device=device), None), ValueError,
+                 r"cache_seqlens\[0\] = 0 must be within \[1, 8\]", value_dependent=True),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([9, 8], device=device), None), ValueError,
-                 "fit the cache", value_dependent=True),
+                 r"cache_seqlens\[0\] = 9 must be within \[0, 8\]", value_dependent=True),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([-1, 8], device=device), None), ValueError,
+                 r"cache_seqlens\[0\] = -1 must be within \[0, 8\]", value_dependent=True),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4.0, 8.0], device=device), None), ValueError,
                  "cache_seqlens must be a bool or integer tensor"),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4], device=device), None), ValueError,

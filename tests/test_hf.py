@@ -1,0 +1,239 @@
+"""rl_engine_ext.patch on Hugging Face models: sampler == trainer end to end, every batch
+composition, caches, compile, gradient accumulation, and the refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import rl_engine_ext as rl  # noqa: E402
+from rl_engine_ext import hf  # noqa: E402
+
+_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "sampler_trainer.py")
+_spec = importlib.util.spec_from_file_location("sampler_trainer", _EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+MODEL_TYPES = ["qwen3", "llama", "qwen2"]
+
+
+def _dims(device: str) -> str:
+    return "d128" if device == "cuda" else "tiny"  # head_dim 128 takes the GPU's tensor-core attention
+
+
+def _model(model_type: str, device: str, dtype=torch.bfloat16, dims: str | None = None):
+    return example.build_model(model_type, dims or _dims(device), device, dtype)
+
+
+def _prompts(model, device, lengths=(5, 17, 1, 11, 30)):
+    return example.left_padded_prompts(list(lengths), model.config.vocab_size, device)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_sampler_equals_trainer(device, model_type):
+    """The example: generate() with a left-padded batch and a KV cache records log-probs that the
+    trainer reproduces bit for bit padded, re-padded, packed, alone and compiled (ratio 1.0)."""
+    report = example.run(model_type, device, _dims(device))
+    for name, r in report["results"].items():
+        assert r["max_abs_delta"] == 0.0 and r["ratio_exactly_one"], (name, r)
+        assert r["tokens"] == 5 * 8, (name, r)
+    assert example.main(["--device", device, "--dims", _dims(device), "--models", model_type]) == 0
+
+
+def test_patched_model_computes_the_model(device):
+    """Axis-B: the patched fp32 model's logits are HF's within fp32 rounding (the same model)."""
+    model = _model("qwen3", device, torch.float32)
+    ids, mask = _prompts(model, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, position_ids=positions).logits
+        with rl.patch(model):
+            got = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-4, rtol=2e-4)
+
+
+def test_padding_packing_and_flash_kwargs_equal_alone(device):
+    """Left and right padding (positions from the mask), packing detected from position_ids,
+    packing given as flash-attention kwargs: each sequence's logits are its logits alone."""
+    model = _model("qwen3", device)
+    rl.patch(model)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 200, (n,), generator=g).to(device) for n in (7, 19, 1, 12)]
+    with torch.no_grad():
+        alone = [model(s[None], use_cache=False).logits[0] for s in seqs]
+        width = 21
+        for right in (False, True):
+            ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+            mask = torch.zeros_like(ids)
+            for i, s in enumerate(seqs):
+                cols = slice(0, len(s)) if right else slice(width - len(s), width)
+                ids[i, cols], mask[i, cols] = s, 1
+            logits = model(ids, attention_mask=mask, use_cache=False).logits
+            for i, s in enumerate(seqs):
+                assert torch.equal(logits[i][mask[i].bool()], alone[i]), (right, i)
+        packed = torch.cat(seqs)[None]
+        positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])[None]
+        cu = torch.tensor([0, 7, 26, 27, 39], dtype=torch.int32, device=device)
+        detected = model(packed, position_ids=positions, use_cache=False).logits[0]
+        given = model(packed, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                      max_length_q=19, max_length_k=19).logits[0]
+    for logits in (detected, given):
+        assert torch.equal(logits, torch.cat(alone))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_generate_caches_chunks_and_batch_invariance(device, model_type):
+    """Greedy generate(): a left-padded batch with a DynamicCache, a StaticCache, chunked prefill
+    and each prompt alone give the same tokens and the same logits, bit for bit."""
+    model = _model(model_type, device)
+    ids, mask = _prompts(model, device)
+    rl.patch(model)
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        dynamic = model.generate(ids, attention_mask=mask, **kwargs)
+        static = model.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+        chunked = model.generate(ids, attention_mask=mask, prefill_chunk_size=4, **kwargs)
+        for other in (static, chunked):
+            assert torch.equal(other.sequences, dynamic.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(other.logits, dynamic.logits))
+        for i in range(ids.shape[0]):
+            real = ids[i][mask[i].bool()][None]
+            alone = model.generate(real, attention_mask=torch.ones_like(real), **kwargs)
+            assert torch.equal(alone.sequences[0, real.shape[1]:], dynamic.sequences[i, ids.shape[1]:])
+            assert all(torch.equal(a[0], b[i]) for a, b in zip(alone.logits, dynamic.logits))
+
+
+def test_compile_equals_eager_forward_and_backward(device):
+    """torch.compile(fullgraph=True) of the patched model: the same logits and the same
+    parameter gradients as eager, bit for bit (no glue left for inductor to re-fuse)."""
+    model = _model("qwen3", device)
+    model.train()
+    ids, mask = _prompts(model, device)
+    rl.patch(model)
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        logp = fn(model, ids, mask, temperature=0.9)
+        logp.sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager_logp, eager_grads = step(rl.token_logprobs)
+    compiled_logp, compiled_grads = step(torch.compile(rl.token_logprobs, fullgraph=True))
+    assert torch.equal(compiled_logp, eager_logp)
+    for name, grad in eager_grads.items():
+        assert torch.equal(compiled_grads[name], grad), name
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+        assert torch.equal(torch.compile(model, fullgraph=True)(ids, attention_mask=mask).logits, logits)
+
+
+def test_revert_and_context_manager(device):
+    model = _model("llama", device)
+    ids, mask = _prompts(model, device)
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+        with rl.patch(model) as handle:
+            assert model.config._attn_implementation == "rl_align"
+            patched = model(ids, attention_mask=mask).logits
+            with pytest.raises(ValueError, match="already patched"):
+                rl.patch(model)
+        assert handle.model is model
+        after = model(ids, attention_mask=mask).logits
+    assert torch.equal(after, before)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert not torch.equal(patched, before)  # the patch changed the kernels (bf16 rounding differs)
+    handle = rl.apply_rl_align_to_llama(model)
+    handle.revert()
+    with pytest.raises(ValueError, match="the model is 'llama'"):
+        rl.apply_rl_align_to_qwen3(model)
+
+
+def test_refusals(device):
+    """What the patch cannot run invariantly raises, at patch time or at the call."""
+    cfg = dict(example.DIMS["tiny"], max_position_embeddings=256)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="unsupported model GPT2LMHeadModel"):
+        rl.patch(gpt2)
+    cases = [
+        (transformers.Qwen2Config(**cfg, use_sliding_window=True, sliding_window=8, max_window_layers=0),
+         "sliding-window"),
+        (transformers.LlamaConfig(**cfg, hidden_act="gelu"), "only SwiGLU"),
+        (transformers.LlamaConfig(**cfg, attention_dropout=0.1), "attention_dropout"),
+        (transformers.LlamaConfig(**cfg, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+         "rope_type 'dynamic'"),
+    ]
+    for config, match in cases:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with pytest.raises(ValueError, match=match):
+            rl.patch(model)
+        assert not any("forward" in vars(m) for m in model.modules())
+    model = _model("qwen3", device)
+    ids, mask = _prompts(model, device)
+    rl.patch(model)
+    holes = mask.clone()
+    holes[1, -3] = 0  # padding inside a sequence: not a padding mask
+    with torch.no_grad(), pytest.raises(RuntimeError, match="one run of real tokens"):
+        model(ids, attention_mask=holes)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="not both"):
+        rl.token_logprobs(model, ids, mask, cu_seqlens=torch.tensor([0, 3], device=device))
+    with pytest.raises(ValueError, match="patch the model first"):
+        rl.token_logprobs(_model("llama", device), ids, mask)
+
+
+def test_unknown_modules_warn_once(device):
+    model = _model("qwen3", device)
+    model.model.extra = torch.nn.LayerNorm(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = rl.patch(model)
+    messages = [str(w.message) for w in caught if "left on torch's kernels" in str(w.message)]
+    assert len(messages) == 1 and "model.extra (LayerNorm)" in messages[0]
+    handle.revert()
+
+
+def test_fp32_grad_accumulation_chains_through_the_model(device):
+    """fp32_grad_accumulation on a patched model: micro-batches of whole sequences whose token
+    counts are multiples of grad_accumulation_tile_tokens(model) give the one batch's fp32
+    gradients bit for bit; plain bf16 .grad accumulation does not."""
+    model = _model("qwen3", device, dims="d64")
+    model.train()
+    rl.patch(model)
+    tile = hf.grad_accumulation_tile_tokens(model)
+    seq = 256
+    assert tile == 1024
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, model.config.vocab_size, (12, seq), generator=g).to(device)
+    micro = [ids[:4], ids[4:8], ids[8:]]  # 1024, 1024, 1024 tokens
+
+    def accumulate(batches):
+        handle = rl.fp32_grad_accumulation(model)
+        for b in batches:
+            (-rl.token_logprobs(model, b).sum()).backward()
+        grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+        assert all(p.grad is None for p in model.parameters())
+        handle.revert()
+        return grads
+
+    one = accumulate([ids])
+    chained = accumulate(micro)
+    for name, grad in one.items():
+        assert torch.equal(chained[name], grad), name
+
+    def plain(batches):
+        model.zero_grad(set_to_none=True)
+        for b in batches:
+            (-rl.token_logprobs(model, b).sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain_one, plain_chained = plain([ids]), plain(micro)
+    assert any(not torch.equal(plain_chained[n], plain_one[n]) for n in plain_one)
