@@ -9,6 +9,7 @@ and rl_engine_ext.contract for the dtype policy and tolerances.
 from . import _native, _shim
 from ._native import NATIVE_AVAILABLE, NATIVE_UNAVAILABLE_REASON, has_native_kernel
 from .ops import SPECS
+from .aten_mode import batch_invariant_mode, is_batch_invariant_mode_enabled, set_batch_invariant_mode
 
 _shim.install()
 
@@ -17,6 +18,7 @@ for _spec in SPECS:
     globals().update(_spec.exports)
 
 __all__ = sorted(
-    ["NATIVE_AVAILABLE", "NATIVE_UNAVAILABLE_REASON", "has_native_kernel"] + [n for s in SPECS for n in s.exports]
+    ["NATIVE_AVAILABLE", "NATIVE_UNAVAILABLE_REASON", "has_native_kernel", "batch_invariant_mode",
+     "is_batch_invariant_mode_enabled", "set_batch_invariant_mode"] + [n for s in SPECS for n in s.exports]
 )
 del _spec
