@@ -54,8 +54,14 @@ MAIN_GRAD = "main_grad"
 _VIEW_ALIGNMENT = 128
 
 
+# Live Fp32GradAccumulation handles. Read by every function below, so torch.compile guards on it:
+# a graph compiled before the buffers existed (or after they went) is recompiled, whether or not the
+# torch version guards on an attribute added to a Parameter.
+_ACCUMULATING = [0]
+
+
 def _main_grad(param: torch.Tensor | None) -> torch.Tensor | None:
-    return None if param is None else getattr(param, MAIN_GRAD, None)
+    return None if param is None or not _ACCUMULATING[0] else getattr(param, MAIN_GRAD, None)
 
 
 def _param_grad(needed: bool, main_grad: torch.Tensor | None, fp32_sum: torch.Tensor | None, dtype: torch.dtype):
@@ -283,6 +289,8 @@ class Fp32GradAccumulation:
     def __init__(self, parameters: list[nn.Parameter], buffers: dict[torch.device, torch.Tensor]):
         self.parameters = parameters
         self.buffers = buffers
+        self._live = True
+        _ACCUMULATING[0] += 1
 
     def zero_(self) -> "Fp32GradAccumulation":
         """Zeroes every ``main_grad`` (after the optimizer step, before the next step's micro-batches)."""
@@ -292,9 +300,12 @@ class Fp32GradAccumulation:
 
     def revert(self) -> None:
         """Removes the ``main_grad`` attributes: the parameters get ``.grad`` again, the buffers go."""
+        if not self._live:
+            return
         for param in self.parameters:
             delattr(param, MAIN_GRAD)
-        self.parameters, self.buffers = [], {}
+        self.parameters, self.buffers, self._live = [], {}, False
+        _ACCUMULATING[0] -= 1
 
 
 def fp32_grad_accumulation(model: nn.Module) -> Fp32GradAccumulation:
