@@ -9,7 +9,8 @@ kernels.
   tensors, or XPU / MPS tensors): the reference is registered for that device and warns once per
   (op, device) when it first runs.
 * Always: every op's fake kernel (its Python checks, then empty outputs), which torch.compile and
-  the meta device use; and ``ops._spec.OPS``, the OpOverloads the public functions call.
+  the meta device use; its autocast kernels (``OpDef.autocast``, rl_engine_ext/autocast.py); and
+  ``ops._spec.OPS``, the OpOverloads the public functions call.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _native
+from . import _native, autocast
 from .ops import OpDef, op_defs
 from .ops._spec import OPS
 
@@ -87,6 +88,8 @@ def install() -> None:
             if (name, key) not in _native.NATIVE_KERNELS:
                 lib.impl(name, _reference_kernel(op, key), key)
         torch.library.register_fake(f"rl_align::{name}", op.fake, lib=lib)
+        if op.autocast is not None:
+            autocast.register(lib, name, op.autocast)
         if not _native.NATIVE_AVAILABLE:
             if op.autograd is not None:
                 torch.library.register_autograd(f"rl_align::{name}", op.autograd.backward,

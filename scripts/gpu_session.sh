@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device-machine call: build with nvcc, then the stages named in STAGES (default: all), each
 # logging under $OUT:
-#   tests     the whole test suite, CUDA parametrization included, as TEST_PROCS (default 6)
-#             processes side by side, then what failed once more alone
-#                                               (pytest_<k>.log/.xml, pytest_rerun.log/.xml)
+#   tests     the whole test suite, CUDA parametrization included, as TEST_PROCS (default 4)
+#             pytest-xdist workers side by side on the GPU          (pytest.log/.xml)
 #   check     python -m rl_engine_ext.check --json                        (check.json)
 #   cpu_only  a CPU-only build (no CUDA kernels) in a copy of the tree, and tests/test_registry.py
 #             against it: every op on CUDA tensors through the shim's references (cpu_only.log)
 #   bench     the benchmarks named in BENCHES (default: every benchmarks/bench_*.py)
-#   usage: [BUILD=0] [STAGES="tests check"] [BENCHES="rms_norm linear"] [TEST_PROCS=6] bash scripts/gpu_session.sh [pytest args...]
+#   usage: [BUILD=0] [STAGES="tests check"] [BENCHES="rms_norm linear"] [TEST_PROCS=4] bash scripts/gpu_session.sh [pytest args...]
+# The tests stage needs pytest-xdist (and its dependency execnet) installed on the machine.
 # Run one after another, the CUDA suite outlasts one 10-minute device call; side by side it fits.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,27 +32,15 @@ fi
 
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has tests; then
-  # TEST_PROCS pytest processes side by side on the one GPU, each every TEST_PROCS-th test
-  # (tests/conftest.py --shard): the suite is bound by host-side references and small launches.
-  procs=${TEST_PROCS:-6} pids=()
-  for k in $(seq 1 "$procs"); do
-    OMP_NUM_THREADS=$(( $(nproc) / procs > 0 ? $(nproc) / procs : 1 )) python3 -m pytest -q -p no:cacheprovider \
-      --shard "$k/$procs" --durations=5 -o junit_family=xunit2 --junitxml="$OUT/pytest_$k.xml" "$@" \
-      >"$OUT/pytest_$k.log" 2>&1 &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  for k in $(seq 1 "$procs"); do echo "shard $k/$procs: $(tail -1 "$OUT/pytest_$k.log")"; done
-  # Side by side, the largest tests can run out of GPU memory together: what failed is run once
-  # more, alone, and that verdict is the suite's (both logs kept).
-  mapfile -t failed < <(sed -n 's/^\(FAILED\|ERROR\) \([^ ]*\).*/\2/p' "$OUT"/pytest_[0-9]*.log | sort -u)
-  if (( ${#failed[@]} )); then
-    echo "failed side by side: ${#failed[@]}; run again alone:"
-    python3 -m pytest -q -p no:cacheprovider -o junit_family=xunit2 --junitxml="$OUT/pytest_rerun.xml" \
-      "${failed[@]}" >"$OUT/pytest_rerun.log" 2>&1
-    grep -h "^FAILED\|^ERROR" "$OUT/pytest_rerun.log" | head -40
-    echo "alone: $(tail -1 "$OUT/pytest_rerun.log")"
-  fi
+  # TEST_PROCS pytest-xdist workers side by side on the one GPU (the suite is bound by host-side
+  # references and small launches); the tests marked gpu_memory_heavy run one at a time
+  # (tests/conftest.py), so the workers together stay within the GPU's memory.
+  procs=${TEST_PROCS:-4}
+  OMP_NUM_THREADS=$(( $(nproc) / procs > 0 ? $(nproc) / procs : 1 )) python3 -m pytest -q -p no:cacheprovider \
+    -n "$procs" --durations=5 -o junit_family=xunit2 --junitxml="$OUT/pytest.xml" "$@" >"$OUT/pytest.log" 2>&1
+  rc=$?
+  echo "pytest -n $procs: exit $rc: $(tail -1 "$OUT/pytest.log")"
+  grep -h "^FAILED\|^ERROR" "$OUT/pytest.log" | head -40
   echo "tests: $(( $(date +%s) - start )) s since the build started"
 fi
 if has check; then

@@ -18,28 +18,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-def pytest_addoption(parser):
-    parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run every N-th collected test starting at the I-th (1-based): N processes "
-                          "with --shard 1/N .. N/N cover the suite once (scripts/gpu_session.sh runs "
-                          "them side by side on one GPU)")
-
-
-def _select_shard(config, items):
-    spec = config.getoption("--shard")
-    if spec is None:
-        return
-    i, _, n = spec.partition("/")
-    if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
-        raise pytest.UsageError(f"--shard must be I/N with 1 <= I <= N, got {spec!r}")
-    keep, drop = [], []
-    for k, item in enumerate(items):
-        (keep if k % int(n) == int(i) - 1 else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-    items[:] = keep
-
-
 @contextlib.contextmanager
 def _one_process_at_a_time(name: str):
     if fcntl is None:
@@ -55,19 +33,21 @@ def _one_process_at_a_time(name: str):
 
 @pytest.fixture(autouse=True)
 def _gpu_memory_discipline(request):
-    """Side by side on one GPU, a process's cached allocations starve the others: heavy tests take a
-    cross-process lock, and a test's cached GPU memory goes back to the driver when it ends."""
+    """pytest-xdist workers (``pytest -n N``) share the one GPU, and a process's cached allocations
+    starve the others: the CUDA tests marked gpu_memory_heavy (tens of GB each) take a lock shared by
+    the workers, so they run one at a time, and every test's cached GPU memory goes back to the
+    driver when it ends. One pytest process alone takes no lock."""
     if not torch.cuda.is_available():
         yield
         return
-    heavy = request.node.get_closest_marker("gpu_memory_heavy") is not None
+    heavy = (os.environ.get("PYTEST_XDIST_WORKER") is not None and request.node.get_closest_marker("cuda") is not None
+             and request.node.get_closest_marker("gpu_memory_heavy") is not None)
     with _one_process_at_a_time("gpu_memory_heavy") if heavy else contextlib.nullcontext():
         yield
         torch.cuda.empty_cache()
 
 
 def pytest_collection_modifyitems(config, items):
-    _select_shard(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device")

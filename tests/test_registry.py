@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import rl_engine_ext
-from rl_engine_ext import _native, _shim
+from rl_engine_ext import _native, _shim, autocast
 from rl_engine_ext.ops import SPECS, op_defs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,6 +70,16 @@ def test_native_kernels_per_device(spec):
             assert rl_engine_ext.has_native_kernel(op.name, device_type) is False
         for key in _shim.SHIM_DISPATCH_KEYS:  # native or shim: every device runs the op
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"rl_align::{op.name}", key)
+
+
+def test_autocast_kernels_exactly_where_a_rule_is_given(spec):
+    """An op with an autocast rule (OpDef.autocast) has a kernel at each autocast key of
+    rl_engine_ext.autocast; an op without one has none there (autocast passes it through)."""
+    for op in spec.ops:
+        for device_type in autocast.AUTOCAST_DEVICE_TYPES:
+            key = "Autocast" + _native.dispatch_key(device_type)
+            has = torch._C._dispatch_has_kernel_for_dispatch_key(f"rl_align::{op.name}", key)
+            assert has == (op.autocast is not None), (op.name, key)
 
 
 def test_has_native_kernel_rejects_unknown_names():

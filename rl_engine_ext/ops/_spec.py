@@ -11,6 +11,7 @@ reference and the fake, the no-native fallback).
 
 from __future__ import annotations
 
+import enum
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -37,6 +38,23 @@ class Autograd:
     backward: Callable[..., tuple]
 
 
+class Autocast(enum.Enum):
+    """How ``torch.autocast`` casts an op's floating-point tensor arguments before the op runs
+    (``OpDef.autocast``; None: no cast, autocast passes the call through, as for torch ops without
+    an autocast rule). Each rule is the one torch applies to the op's torch counterpart, on CPU and
+    CUDA autocast (rl_engine_ext/autocast.py registers them). As in torch, only tensors on the
+    autocast's device type and not float64 are cast: the others reach the op's own checks."""
+
+    # The autocast dtype: torch's lower-precision ops (F.linear, scaled_dot_product_attention).
+    LOWER_PRECISION = "lower_precision"
+    # aten::rms_norm's: fp32 on CUDA (autocast's fp32 list). CPU autocast has no rule for it and
+    # rms_norm returns its input's dtype: the promoted dtype of the arguments other than
+    # ``weight``, the weight cast to it.
+    NORM = "norm"
+    # The widest dtype among them: torch's type promotion, which elementwise ops (no autocast rule) apply.
+    PROMOTE = "promote"
+
+
 @dataclass(frozen=True)
 class OpDef:
     """One schema op (one ``RL_ALIGN_SCHEMA`` line of ``rl_engine_ext/schemas.def``).
@@ -54,6 +72,7 @@ class OpDef:
     reference: Callable[..., Any]
     empty_outputs: Callable[..., Any]
     autograd: Autograd | None = None  # None: not differentiable (backward raises)
+    autocast: Autocast | None = None  # None: no cast under torch.autocast (backward ops: autograd casts back)
 
     def fake(self, *args: Any) -> Any:
         self.check(*args)

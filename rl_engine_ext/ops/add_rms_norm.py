@@ -16,7 +16,7 @@ import torch
 
 from .. import contract
 from . import rms_norm as rms
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "add_rms_norm"
 EPS = rms.EPS
@@ -174,7 +174,8 @@ SPEC = OpSpec(
     name=OP,
     op_class="reduction",
     ops=(
-        OpDef(OP, check_add_rms_norm, reference_forward, _empty_forward, Autograd(_setup_context, _backward)),
+        OpDef(OP, check_add_rms_norm, reference_forward, _empty_forward, Autograd(_setup_context, _backward),
+              Autocast.NORM),
         OpDef("add_rms_norm_backward", check_add_rms_norm_backward, reference_backward, _empty_backward),
     ),
     exports={"add_rms_norm": add_rms_norm, "add_rms_norm_backward": add_rms_norm_backward},

@@ -23,7 +23,7 @@ import torch
 
 from .. import contract
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "linear"
 
@@ -290,7 +290,8 @@ SPEC = OpSpec(
     name=OP,
     op_class="reduction",
     ops=(
-        OpDef("linear", check_linear, reference_forward, _empty_forward, Autograd(_setup_context, _backward)),
+        OpDef("linear", check_linear, reference_forward, _empty_forward, Autograd(_setup_context, _backward),
+              Autocast.LOWER_PRECISION),
         OpDef("linear_grad_input", check_grad_input, reference_grad_input, _empty_grad_input),
         OpDef("linear_grad_weight", check_grad_weight, reference_grad_weight, _empty_grad_weight),
         OpDef("linear_grad_bias", check_grad_bias, reference_grad_bias, _empty_grad_bias),

@@ -30,7 +30,7 @@ from .logprob import (
     reference_logprob,
     reference_logprob_backward,
 )
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "linear_logprob"
 GRAD_OP = "linear_logprob_backward"
@@ -339,7 +339,8 @@ SPEC = OpSpec(
     name=OP,
     op_class="logprob",
     ops=(
-        OpDef(OP, check_linear_logprob, reference_linear_logprob, _empty_forward, Autograd(_setup_context, _backward)),
+        OpDef(OP, check_linear_logprob, reference_linear_logprob, _empty_forward, Autograd(_setup_context, _backward),
+              Autocast.LOWER_PRECISION),
         OpDef(GRAD_OP, check_linear_logprob_backward, reference_linear_logprob_backward, _empty_backward),
     ),
     exports={

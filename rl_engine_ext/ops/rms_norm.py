@@ -24,7 +24,7 @@ import torch
 
 from .. import contract, testing
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "rms_norm"
 MODES = ("fp32", "llama", "gemma")
@@ -289,7 +289,8 @@ SPEC = OpSpec(
     name=OP,
     op_class="reduction",
     ops=(
-        OpDef("rms_norm", check_rms_norm, reference_forward, _empty_forward, Autograd(_setup_context, _backward)),
+        OpDef("rms_norm", check_rms_norm, reference_forward, _empty_forward, Autograd(_setup_context, _backward),
+              Autocast.NORM),
         OpDef("rms_norm_backward", check_rms_norm_backward, reference_backward, empty_backward),
     ),
     exports={"rms_norm": rms_norm, "rms_norm_backward": rms_norm_backward, "rms_norm_tile_rows": rms_norm_tile_rows},

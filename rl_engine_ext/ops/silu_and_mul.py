@@ -23,7 +23,7 @@ import torch
 
 from .. import contract
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "silu_and_mul"
 
@@ -270,7 +270,7 @@ SPEC = OpSpec(
         OpDef("silu_and_mul_backward", check_silu_and_mul_backward, reference_silu_and_mul_backward,
               lambda dy, gu: _dense_like(gu)),
         OpDef("silu_mul", check_silu_mul, reference_silu_mul, lambda gate, up: _dense_like(gate),
-              Autograd(_setup_silu_mul, _backward_silu_mul)),
+              Autograd(_setup_silu_mul, _backward_silu_mul), Autocast.PROMOTE),
         OpDef("silu_mul_backward", check_silu_mul_backward, reference_silu_mul_backward,
               lambda dy, gate, up: (_dense_like(gate), _dense_like(gate))),
     ),
