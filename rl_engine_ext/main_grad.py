@@ -61,7 +61,12 @@ _ACCUMULATING = [0]
 
 
 def _main_grad(param: torch.Tensor | None) -> torch.Tensor | None:
-    return None if param is None or not _ACCUMULATING[0] else getattr(param, MAIN_GRAD, None)
+    main_grad = None if param is None or not _ACCUMULATING[0] else getattr(param, MAIN_GRAD, None)
+    if main_grad is not None and torch.is_autocast_enabled(param.device.type):
+        # The backward kernels take the forward's operands in one dtype; autocast casts them apart.
+        raise ValueError("rl_engine_ext: fp32_grad_accumulation does not run under torch.autocast; keep the "
+                         "parameters in bf16/fp16 (their fp32 sums are in main_grad) and run without autocast")
+    return main_grad
 
 
 def _param_grad(needed: bool, main_grad: torch.Tensor | None, fp32_sum: torch.Tensor | None, dtype: torch.dtype):

@@ -2,7 +2,8 @@
 # Installs what rl_engine_ext needs and builds it in place (idempotent; safe to rerun).
 #   * torch: kept if already importable (CUDA or ROCm builds on GPU machines); otherwise the
 #     CPU wheel torch==2.13.0 (never a plain `torch`, which would pull a multi-GB CUDA build).
-#   * build/test tools: ninja, pybind11, pytest, hypothesis, matplotlib (benchmark plots).
+#   * build/test tools: ninja, pybind11, pytest, hypothesis, matplotlib (benchmark plots),
+#     transformers (the model patch's tests and example).
 #   * the package: pip install --no-build-isolation -e .  (RL_ENGINE_EXT_NO_NATIVE=1 skips the
 #     native build; see setup.py for the CUDA/ROCm arch variables).
 set -euo pipefail
@@ -16,6 +17,9 @@ missing=()
 for mod in ninja pybind11 pytest hypothesis matplotlib setuptools wheel; do
   "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
+# transformers (pure Python): the Hugging Face model patch's tests and example; the version the
+# GPU machine has, so CPU CI and the H100 run the same model code.
+"$PY" -c "import transformers" 2>/dev/null || missing+=("transformers==5.17.0")
 if [ ${#missing[@]} -gt 0 ]; then
   "$PY" -m pip install -q "${missing[@]}"
 fi

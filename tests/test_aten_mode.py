@@ -112,9 +112,11 @@ def test_tml_mm_first_row_cpu(dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_tml_mm_first_row_cuda(dtype):
-    """batch_invariant_ops' sizes (2048 x 4096 @ 4096 x 4096), where cuBLAS alone gives the first
-    row other bits alone than in the batch (that is what makes the test worth running)."""
-    assert _first_row_alone_minus_in_batch(2048, 4096, dtype, "cuda") != 0
+    """batch_invariant_ops' sizes (2048 x 4096 @ 4096 x 4096). In fp32 cuBLAS alone gives the
+    first row other bits alone than in the batch (what makes the test worth running); in bf16 on
+    the H100 (cuBLAS of CUDA 13.0) its first row happens to round to the same bits there."""
+    if dtype == torch.float32:
+        assert _first_row_alone_minus_in_batch(2048, 4096, dtype, "cuda") != 0
     with rl.batch_invariant_mode():
         assert _first_row_alone_minus_in_batch(2048, 4096, dtype, "cuda") == 0
 
@@ -180,7 +182,10 @@ def test_log_softmax_routes_to_logprob_lse(device, dtype, rl_calls):
         fp32_out = torch.log_softmax(x.detach(), -1, dtype=torch.float32)
     assert torch.equal(out, expected) and torch.equal(grad, expected_grad)
     assert torch.equal(first_row, out[:1]) and torch.equal(first_grad, grad[:1])
-    assert torch.equal(fp32_out, x.detach().float() - lse.unsqueeze(-1))
+    # log_softmax(x, dtype=float32) upcasts x first: the lse of the fp32 logits (the fp32 path's
+    # own fixed order, which need not be the bf16 path's).
+    lse32 = torch.ops.rl_align.logprob(x.detach().float(), targets, 1.0, -100)[2]
+    assert torch.equal(fp32_out, x.detach().float() - lse32.unsqueeze(-1))
     assert rl_calls["logprob"] == 3
     assert rl_calls["linear"] == 2  # the backward's row sums
 

@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import rl_engine_ext as rl  # noqa: E402
+from conftest import assert_device_assert  # noqa: E402
 from rl_engine_ext import hf  # noqa: E402
 
 _EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "sampler_trainer.py")
@@ -180,10 +181,16 @@ def test_refusals(device):
     rl.patch(model)
     holes = mask.clone()
     holes[1, -3] = 0  # padding inside a sequence: not a padding mask
-    with torch.no_grad(), pytest.raises(RuntimeError, match="one run of real tokens"):
-        model(ids, attention_mask=holes)
-        if device == "cuda":
-            torch.cuda.synchronize()
+    if device == "cuda":  # checked on the device: a device-side assert, which ends the process's CUDA context
+        assert_device_assert(
+            f"import importlib.util\nspec = importlib.util.spec_from_file_location('ex', {_EXAMPLE!r})\n"
+            "ex = importlib.util.module_from_spec(spec); spec.loader.exec_module(ex)\n"
+            "m = ex.build_model('qwen3', 'd128', 'cuda', torch.bfloat16); rl_engine_ext.patch(m)\n"
+            "ids, mask = ex.left_padded_prompts([5, 17, 1, 11, 30], 512, 'cuda'); mask[1, -3] = 0\n",
+            "m(ids, attention_mask=mask).logits", "one run of real tokens")
+    else:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="one run of real tokens"):
+            model(ids, attention_mask=holes)
     with pytest.raises(ValueError, match="not both"):
         rl.token_logprobs(model, ids, mask, cu_seqlens=torch.tensor([0, 3], device=device))
     with pytest.raises(ValueError, match="patch the model first"):

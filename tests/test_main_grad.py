@@ -420,3 +420,13 @@ def test_revert_removes_main_grad(device):
     _train(model, *_batch(device), MICRO_BATCHES)
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
     rl_engine_ext.fp32_grad_accumulation(model).revert()  # allowed again after a revert
+
+
+def test_autocast_is_refused(device):
+    """Under torch.autocast the accumulating functions raise (the plain ops cast instead)."""
+    weight = torch.randn(8, 16, device=device, requires_grad=True)
+    handle = rl_engine_ext.fp32_grad_accumulation(torch.nn.Linear(16, 8).to(device))
+    weight.main_grad = torch.zeros_like(weight)
+    with torch.autocast(device, dtype=torch.bfloat16), pytest.raises(ValueError, match="does not run under torch.autocast"):
+        rl_engine_ext.main_grad.linear(torch.randn(4, 16, device=device), weight)
+    handle.revert()

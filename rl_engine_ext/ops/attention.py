@@ -42,7 +42,7 @@ import torch
 
 from .. import contract, testing
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "attention"
 
@@ -668,12 +668,14 @@ SPEC = OpSpec(
     name=OP,
     op_class="attention",
     ops=(
-        OpDef("attention", check_attention, reference_forward, _empty_padded, Autograd(_setup_padded, _backward_padded)),
+        OpDef("attention", check_attention, reference_forward, _empty_padded, Autograd(_setup_padded, _backward_padded),
+              Autocast.LOWER_PRECISION),
         OpDef("attention_backward", check_attention_backward, reference_backward, _empty_grads),
         OpDef("attention_varlen", check_attention_varlen, reference_varlen, _empty_varlen,
-              Autograd(_setup_varlen, _backward_varlen)),
+              Autograd(_setup_varlen, _backward_varlen), Autocast.LOWER_PRECISION),
         OpDef("attention_varlen_backward", check_attention_varlen_backward, reference_varlen_backward, _empty_grads),
-        OpDef("attention_kvcache", check_attention_kvcache, reference_kvcache, _empty_padded),
+        OpDef("attention_kvcache", check_attention_kvcache, reference_kvcache, _empty_padded,
+              autocast=Autocast.LOWER_PRECISION),
     ),
     exports={
         "attention": attention,
