@@ -125,6 +125,8 @@ def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool):
     """x - lse in fp32, rounded once; lse from our logprob op (its sum over V in a fixed order)."""
     if not _is_last_dim(dim, x.dim()) or x.shape[-1] == 0 or not _routable("logprob", x):
         return None
+    if half_to_float:  # log_softmax(x, dtype=float32): CUDA asks for it this way, the CPU upcasts x first;
+        x = x.float()  # both get the fp32 logits' lse
     targets = torch.zeros(x.shape[:-1], dtype=torch.int32, device=x.device)
     _, _, lse = OPS.logprob(x, targets, 1.0, IGNORE_INDEX)
     out = torch.empty_like(x, dtype=torch.float32 if half_to_float else x.dtype,

@@ -30,10 +30,17 @@ def _castable(arg: Any, device_type: str) -> bool:
             and arg.dtype != torch.float64)
 
 
+@functools.cache
+def _torch_norm_runs_in_fp32(device_type: str) -> bool:
+    """Whether torch's own aten::rms_norm has an autocast kernel on this device type (its fp32
+    rule); it varies across torch versions (2.13: CUDA yes, CPU no), and the norms follow torch."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", _autocast_key(device_type))
+
+
 def _target_dtype(rule: Autocast, device_type: str, args: tuple, names: list[str]) -> torch.dtype | None:
     if rule is Autocast.LOWER_PRECISION:
         return torch.get_autocast_dtype(device_type)
-    if rule is Autocast.NORM and device_type == "cuda":
+    if rule is Autocast.NORM and _torch_norm_runs_in_fp32(device_type):
         return torch.float32
     promoted = [a.dtype for a, name in zip(args, names)
                 if _castable(a, device_type) and (rule is Autocast.PROMOTE or name != "weight")]

@@ -56,7 +56,8 @@ _VIEW_ALIGNMENT = 128
 
 # Live Fp32GradAccumulation handles. Read by every function below, so torch.compile guards on it:
 # a graph compiled before the buffers existed (or after they went) is recompiled, whether or not the
-# torch version guards on an attribute added to a Parameter.
+# torch version guards on an attribute added to a Parameter. A main_grad attached by hand (as a
+# framework does) is honoured while a handle is live: fp32_grad_accumulation(nn.Module()) gives one.
 _ACCUMULATING = [0]
 
 

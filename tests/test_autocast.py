@@ -304,6 +304,10 @@ def test_compile_fullgraph_matches_eager(case, run, monkeypatch):
     keep its fp32 bits.)"""
     device, dtype = run
     monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    # The autocast state around a compiled call is not part of torch 2.11's compile-cache keys (on
+    # disk, shared by processes): a graph traced under another autocast dtype would come back.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     compiled = torch.compile(case.ours, fullgraph=True)
     args = case.make(device, torch.bfloat16)

@@ -169,6 +169,15 @@ def _plain_run(case):
     return outputs, row_grads, {name: p.grad for name, p in params.items()}, cotangents
 
 
+@pytest.fixture(autouse=True)
+def _main_grad_honoured():
+    """The functions read main_grad while an accumulation handle is live (the count torch.compile
+    guards on); the tests below also attach main_grad by hand, as a framework would."""
+    handle = rl_engine_ext.fp32_grad_accumulation(torch.nn.Module())
+    yield
+    handle.revert()
+
+
 def _with_main_grad(case):
     params = dict(zip(case.params, _leaves(case.params.values())))
     for name in case.accumulated:
@@ -425,8 +434,6 @@ def test_revert_removes_main_grad(device):
 def test_autocast_is_refused(device):
     """Under torch.autocast the accumulating functions raise (the plain ops cast instead)."""
     weight = torch.randn(8, 16, device=device, requires_grad=True)
-    handle = rl_engine_ext.fp32_grad_accumulation(torch.nn.Linear(16, 8).to(device))
     weight.main_grad = torch.zeros_like(weight)
     with torch.autocast(device, dtype=torch.bfloat16), pytest.raises(ValueError, match="does not run under torch.autocast"):
         rl_engine_ext.main_grad.linear(torch.randn(4, 16, device=device), weight)
-    handle.revert()

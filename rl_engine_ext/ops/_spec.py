@@ -47,9 +47,9 @@ class Autocast(enum.Enum):
 
     # The autocast dtype: torch's lower-precision ops (F.linear, scaled_dot_product_attention).
     LOWER_PRECISION = "lower_precision"
-    # aten::rms_norm's: fp32 on CUDA (autocast's fp32 list). CPU autocast has no rule for it and
-    # rms_norm returns its input's dtype: the promoted dtype of the arguments other than
-    # ``weight``, the weight cast to it.
+    # aten::rms_norm's: fp32 where torch's autocast has a rule for it (the fp32 list: CUDA in torch
+    # 2.13, not in 2.11); elsewhere rms_norm returns its input's dtype: the promoted dtype of the
+    # arguments other than ``weight``, the weight cast to it.
     NORM = "norm"
     # The widest dtype among them: torch's type promotion, which elementwise ops (no autocast rule) apply.
     PROMOTE = "promote"
