@@ -101,8 +101,10 @@ def _lower_precision(args, device, dtype):
 
 
 def _norm(args, device, dtype):
-    """fp32 on CUDA; on the CPU the promoted dtype of the normalised inputs (the weight, last, follows)."""
-    return _floats_to(args, torch.float32 if device == "cuda" else _widest(args[:-1]))
+    """fp32 where torch's rms_norm has an autocast rule on the device (CUDA in torch 2.13, not in
+    2.11); elsewhere the promoted dtype of the normalised inputs (the weight, last, follows)."""
+    torch_rule = torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "Autocast" + device.upper())
+    return _floats_to(args, torch.float32 if torch_rule else _widest(args[:-1]))
 
 
 def _promote(args, device, dtype):
@@ -295,6 +297,12 @@ def test_linear_logprob_is_logprob_of_linear_under_autocast(run):
     _assert_equal(fused, unfused, "linear_logprob vs logprob(linear)")
 
 
+# torch 2.11's inductor drops an fp32 gradient's round trip through the autocast dtype (the op's
+# backward rounds, the cast's backward widens back) even with emulate_precision_casts (H100 run);
+# 2.13 keeps it (CPU).
+INDUCTOR_KEEPS_CAST_ROUNDING = torch.__version__ >= "2.13"
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_compile_fullgraph_matches_eager(case, run, monkeypatch):
     """bf16 activations beside fp32 parameters, autocast around the compiled call: eager's bits,
@@ -316,7 +324,13 @@ def test_compile_fullgraph_matches_eager(case, run, monkeypatch):
     _assert_equal(got, want, f"{case.op} compiled outputs")
     if case.differentiable:
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        _assert_equal(tuple(_grads(got, leaves)), tuple(_grads(want, leaves)), f"{case.op} compiled gradients")
+        got_grads, want_grads = tuple(_grads(got, leaves)), tuple(_grads(want, leaves))
+        if INDUCTOR_KEEPS_CAST_ROUNDING:
+            _assert_equal(got_grads, want_grads, f"{case.op} compiled gradients")
+        else:  # an fp32 parameter's gradient keeps its fp32 bits (no rounding to the autocast dtype)
+            for g, w in zip(got_grads, want_grads):
+                assert g.dtype == w.dtype
+                torch.testing.assert_close(g.to(dtype), w.to(dtype), rtol=0, atol=0)
     uniform = case.make(device, torch.float32)
     _assert_equal(_as_tuple(compiled(*uniform)), _as_tuple(case.ours(*uniform)), f"{case.op} compiled, no autocast")
 
