@@ -144,6 +144,48 @@ def test_compile_equals_eager_forward_and_backward(device, monkeypatch):
         assert torch.equal(torch.compile(model, fullgraph=True)(ids, attention_mask=mask).logits, logits)
 
 
+@pytest.mark.cuda
+def test_decode_step_replays_in_a_cuda_graph():
+    """A patched model's decode step with a StaticCache, captured in a CUDA graph (eager kernels,
+    no compile), replays the eager step's logits bit for bit for other tokens; without
+    position_ids the capture is refused with a clear error."""
+    device = "cuda"
+    model = _model("qwen3", device)
+    ids, mask = _prompts(model, device)
+    rl.patch(model)
+    batch, width = ids.shape
+    cache = transformers.StaticCache(config=model.config, max_cache_len=width + 8)
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    positions = step_mask.sum(-1, keepdim=True) - 1
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+    def step(position_ids=positions):
+        for layer in cache.layers:  # rewind to the prompt: every replay writes the same cache slot
+            layer.cumulative_length.fill_(width)
+        return model(tokens, attention_mask=step_mask, position_ids=position_ids, past_key_values=cache,
+                     use_cache=True).logits
+
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
+        for seed in range(3):
+            tokens.copy_(torch.randint(3, model.config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(seed)))
+            graph.replay()
+            replayed = logits.clone()
+            assert torch.equal(replayed, step()), seed
+        with pytest.raises(ValueError, match="needs position_ids"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                step(position_ids=None)
+    torch.cuda.synchronize()
+
+
 def test_revert_and_context_manager(device):
     model = _model("llama", device)
     ids, mask = _prompts(model, device)
