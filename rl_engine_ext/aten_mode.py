@@ -12,10 +12,11 @@ the state it found. docs/aten_mode.md lists what is routed, how, and what keeps 
 Two mechanisms, chosen per op:
 
 * Composite level (``CompositeImplicitAutograd``, which fills the autograd and backend entries of
-  every device): ``linear``, ``matmul`` with a 2-D right operand, ``rms_norm`` and
-  ``scaled_dot_product_attention``. These are replaced above autograd so that our op's own
-  backward runs (linear's chainable fp32 weight and bias sums, rms_norm's tiled dweight,
-  attention's recomputing backward without atomics), and so that torch.compile traces the
+  every device): ``linear``, ``matmul`` with a 2-D right operand, ``rms_norm``,
+  ``scaled_dot_product_attention`` and ``cross_entropy_loss``. These are replaced above autograd
+  so that our op's own backward runs (linear's chainable fp32 weight and bias sums, rms_norm's
+  tiled dweight, attention's recomputing backward without atomics, logprob's one-pass gradient
+  in place of log_softmax's backward and its row sum), and so that torch.compile traces the
   rl_align op into its graph (inductor keeps it) instead of decomposing into mm and softmax.
 * Backend kernels (``CPU`` and ``CUDA`` keys, as batch_invariant_ops does): ``mm``, ``addmm``,
   ``bmm``, ``_log_softmax`` and its ``_log_softmax_backward_data``, ``mean.dim``,
@@ -195,6 +196,29 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return OPS.linear(x, weight, bias)
 
 
+# torch's at::Reduction values for a loss's reduction argument.
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
+
+
+def _cross_entropy_loss(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                        reduction: int = REDUCTION_MEAN, ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0):
+    """-logprob(x, target) per row from our logprob op (its lse a fixed-order sum over the classes,
+    its backward one elementwise pass; no log_softmax tensor), then torch's reduction: the mean
+    over the rows whose target is not ignore_index, or the sum."""
+    if weight is not None or label_smoothing != 0.0 or reduction not in (REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM):
+        return None
+    if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0 or target.dim() != 1 or target.shape[0] != x.shape[0]:
+        return None  # class probabilities, K-dim losses (classes in dim 1) and empty batches stay torch's
+    if target.dtype not in (torch.int32, torch.int64) or target.device != x.device or not _routable("logprob", x):
+        return None
+    nll = 0.0 - OPS.logprob(x, target, 1.0, ignore_index)[0]  # fp32; an ignored row's 0 stays +0
+    if reduction == REDUCTION_MEAN:
+        nll = nll.sum() / (target != ignore_index).sum()
+    elif reduction == REDUCTION_SUM:
+        nll = nll.sum()
+    return nll.to(x.dtype)
+
+
 def _matmul(x: torch.Tensor, other: torch.Tensor):
     # x @ W with a 2-D W is linear with the weight W^T (its gradient comes back through the view).
     if other.dim() != 2:
@@ -280,6 +304,7 @@ ROUTES: dict[str, tuple[Callable[..., Any], tuple[str, ...], str | None]] = {
     "matmul": (_matmul, (COMPOSITE_KEY,), COMPOSITE_FALLBACK_KEY),
     "rms_norm": (_rms_norm, (COMPOSITE_KEY,), COMPOSITE_FALLBACK_KEY),
     "scaled_dot_product_attention": (_scaled_dot_product_attention, (COMPOSITE_KEY,), COMPOSITE_FALLBACK_KEY),
+    "cross_entropy_loss": (_cross_entropy_loss, (COMPOSITE_KEY,), COMPOSITE_FALLBACK_KEY),
     "mm": (_mm, BACKEND_KEYS, None),
     "addmm": (_addmm, BACKEND_KEYS, None),
     "bmm": (_bmm, BACKEND_KEYS, None),

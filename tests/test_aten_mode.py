@@ -191,6 +191,36 @@ def test_log_softmax_routes_to_logprob_lse(device, dtype, rl_calls):
 
 
 @pytest.mark.parametrize("dtype", ROUTE_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_cross_entropy_routes_to_logprob(device, dtype, rl_calls):
+    """F.cross_entropy of [N, C] logits and class indices is -logprob per row (our op, its own
+    one-pass backward) and torch's reduction over the rows not ignored; each row's loss and
+    logits gradient are its bits alone."""
+    x = randn(6, 333, dtype=dtype, device=device, seed=14, scale=4.0).requires_grad_()
+    targets = torch.tensor([5, 332, -100, 0, 17, 100], device=device)
+    reductions = {"none": lambda nll: nll, "sum": lambda nll: nll.sum(), "mean": lambda nll: nll.sum() / 5}
+    expected = {}
+    for name, reduce in reductions.items():
+        loss = reduce(0.0 - torch.ops.rl_align.logprob(x, targets, 1.0, -100)[0]).to(dtype)
+        expected[name] = (loss, *torch.autograd.grad(loss.sum(), x))
+    with rl.batch_invariant_mode():
+        got = {}
+        for name in reductions:
+            loss = F.cross_entropy(x, targets, reduction=name)
+            got[name] = (loss, *torch.autograd.grad(loss.sum(), x))
+        alone = [_grads(lambda x: F.cross_entropy(x, targets[i:i + 1], reduction="sum"), (x[i:i + 1],),
+                        torch.ones((), dtype=dtype, device=device)) for i in range(6)]
+        ignore_17 = F.cross_entropy(x.detach(), targets.clamp(min=0), ignore_index=17, reduction="none")
+    for name in reductions:
+        assert got[name][0].dtype == dtype and got[name][0].shape == expected[name][0].shape, name
+        assert torch.equal(got[name][0], expected[name][0]) and torch.equal(got[name][1], expected[name][1]), name
+    assert got["none"][0][2].item() == 0 and not got["none"][0][2].signbit()  # ignored: +0, as torch
+    for i, (loss, (grad,)) in enumerate(alone):
+        assert torch.equal(loss, got["none"][0][i]) and torch.equal(grad[0], got["sum"][1][i]), i
+    assert ignore_17[4] == 0 and ignore_17[2] != 0  # another ignore_index: target 17 ignored, -100 (now 0) not
+    assert rl_calls["logprob"] == 3 + 6 + 1
+
+
+@pytest.mark.parametrize("dtype", ROUTE_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_mean_over_last_dim_is_a_fixed_order_row_sum(device, dtype, rl_calls):
     x = randn(4, 9, 200, dtype=dtype, device=device, seed=13, scale=3.0)
     ones = torch.ones(1, 200, device=device)
@@ -335,6 +365,9 @@ def _unroutable_cases(device: str):
             q, q, q, attn_mask=_padding_mask_4d(middle_gap, True)),
         "sdpa q shorter than k": lambda: F.scaled_dot_product_attention(q, kv_long, kv_long),
         "sdpa fp64": lambda: F.scaled_dot_product_attention(q.double(), q.double(), q.double(), is_causal=True),
+        "cross_entropy fp64": lambda: F.cross_entropy(a.double(), torch.arange(9, device=device)),
+        "cross_entropy K-dim (classes in dim 1)": lambda: F.cross_entropy(
+            x3.transpose(1, 2), torch.arange(10, device=device).view(2, 5)),
         "embedding scale_grad_by_freq": lambda: torch.ops.aten.embedding_dense_backward(
             randn(2, 3, 16, **bf, seed=38), ids, 4, -1, True),
     }
