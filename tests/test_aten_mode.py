@@ -197,7 +197,8 @@ def test_cross_entropy_routes_to_logprob(device, dtype, rl_calls):
     logits gradient are its bits alone."""
     x = randn(6, 333, dtype=dtype, device=device, seed=14, scale=4.0).requires_grad_()
     targets = torch.tensor([5, 332, -100, 0, 17, 100], device=device)
-    reductions = {"none": lambda nll: nll, "sum": lambda nll: nll.sum(), "mean": lambda nll: nll.sum() / 5}
+    kept = (targets != -100).sum()  # a device tensor: a true division (CUDA divides by a host scalar's reciprocal)
+    reductions = {"none": lambda nll: nll, "sum": lambda nll: nll.sum(), "mean": lambda nll: nll.sum() / kept}
     expected = {}
     for name, reduce in reductions.items():
         loss = reduce(0.0 - torch.ops.rl_align.logprob(x, targets, 1.0, -100)[0]).to(dtype)
