@@ -66,6 +66,20 @@ def dtype(request) -> torch.dtype:
     return request.param
 
 
+def capture_cuda_graph(step):
+    """(graph, step's outputs): ``step`` run once on a side stream (one-time setup stays outside
+    the capture), then captured in a CUDA graph; replay the graph to rerun it on its buffers."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 def assert_device_assert(setup: str, call: str, message: str) -> None:
     """Runs `setup` (Python lines, torch and rl_engine_ext imported) and `call` on CUDA in a
     subprocess (a device-side assert loses the CUDA context for the rest of the process) and

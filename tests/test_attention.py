@@ -14,7 +14,7 @@ import rl_engine_ext
 from rl_engine_ext import contract, testing
 from rl_engine_ext.ops import attention as attn
 
-from conftest import assert_device_assert, make_generator, randn
+from conftest import assert_device_assert, capture_cuda_graph, make_generator, randn
 
 def _config(device: str, dtype: torch.dtype):
     """(Hq, Hkv, D, sequence lengths) per device: lengths on both sides of the 64-key block and
@@ -345,14 +345,7 @@ def test_packed_step_captured_in_a_cuda_graph():
         grads = torch.autograd.grad(out, leaves, dout)
         return out, lse, grads
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse, grads = step()
+    graph, (out, lse, grads) = capture_cuda_graph(step)
     for bounds in ([0, 100, 2100, 2200], [0, 1, 2049, 2200], [0, 2100, 2101, 2200], [0, 0, 2100, 2200]):
         cu.copy_(torch.tensor(bounds, dtype=torch.int32))
         graph.replay()
@@ -394,14 +387,8 @@ def test_decode_step_captured_in_a_cuda_graph(n, s_max, replays):
     k_cache = randn(batch, hkv, s_max, d, dtype=dtype, device=device, seed=2)
     v_cache = randn(batch, hkv, s_max, d, dtype=dtype, device=device, seed=3)
     lens = torch.tensor(replays[0], dtype=torch.int32, device=device)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture (one-time kernel setup)
-        rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, validate=False)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True, validate=False)
+    graph, (out, lse) = capture_cuda_graph(
+        lambda: rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True, validate=False))
     for new in replays:
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()

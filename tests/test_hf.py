@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import rl_engine_ext as rl  # noqa: E402
-from conftest import assert_device_assert  # noqa: E402
+from conftest import assert_device_assert, capture_cuda_graph  # noqa: E402
 from rl_engine_ext import hf  # noqa: E402
 
 _EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "sampler_trainer.py")
@@ -167,14 +167,7 @@ def test_decode_step_replays_in_a_cuda_graph():
 
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the capture
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = step()
+        graph, logits = capture_cuda_graph(step)
         for seed in range(3):
             tokens.copy_(torch.randint(3, model.config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(seed)))
             graph.replay()
