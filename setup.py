@@ -10,11 +10,20 @@ Three worlds, picked from the installed PyTorch:
 RL_ENGINE_EXT_NO_NATIVE=1 skips the native build: the package then runs every op on its
 pure-PyTorch reference (and warns once that bitwise invariance is not guaranteed).
 RL_ENGINE_EXT_CPU_ONLY=1 builds only the CPU kernels even where a GPU toolchain is present.
+RL_ENGINE_EXT_DEBUG_INFO=1 keeps debug info and nvcc's -lineinfo (profiling builds: ncu source
+views); by default the library is stripped at link time.
 MAX_JOBS bounds parallel compilation (read by torch's ninja build).
+
+Metadata from the torch that builds it: the version carries the variant as a local label
+(0.1.0+cpu, +cu130, +rocm6), and a native build requires that torch's minor release (the library
+links libtorch's C++ API, which is not stable across minor releases). Build with the torch you
+will run: `pip install --no-build-isolation .` (isolation would build against the newest torch on
+the index instead).
 """
 
 import glob
 import os
+import sys
 
 from setuptools import setup
 
@@ -22,6 +31,8 @@ from setuptools import setup
 # BuildExtension defines Py_LIMITED_API for py_limited_api extensions (CPython 3.10 and up); the
 # wheel tag below matches it.
 WHEEL_LIMITED_API = "cp310"
+VERSION = "0.1.0"
+DEBUG_INFO = os.environ.get("RL_ENGINE_EXT_DEBUG_INFO", "0") == "1"
 
 
 def torch_libstdcxx_link_args() -> list[str]:
@@ -45,8 +56,9 @@ def torch_libstdcxx_link_args() -> list[str]:
 
 
 def native_extensions():
+    """(ext_modules, cmdclass, variant label): the label names what the library was built for."""
     if os.environ.get("RL_ENGINE_EXT_NO_NATIVE", "0") == "1":
-        return [], {}
+        return [], {}, None
     import torch
     from torch.utils import cpp_extension
 
@@ -70,6 +82,7 @@ def native_extensions():
     # flush-to-zero, NaN/inf honoured). On baseline x86-64 (no FMA) this changes no bit of today's
     # results.
     cxx_flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math"]
+    link_args = torch_libstdcxx_link_args() + ([] if DEBUG_INFO else ["-s"])
     is_rocm = torch.version.hip is not None
     has_gpu_toolchain = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None) or (
         is_rocm and cpp_extension.ROCM_HOME is not None
@@ -79,14 +92,16 @@ def native_extensions():
             "rl_engine_ext._C",
             cpu_sources,
             extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=torch_libstdcxx_link_args(),
+            extra_link_args=link_args,
             py_limited_api=True,
         )
+        label = "cpu"
     else:
         if is_rocm:
             os.environ.setdefault("PYTORCH_ROCM_ARCH", "gfx90a;gfx942")
             device_flags = ["-O3", "-std=c++17", "-DUSE_ROCM=1"]
             cxx_flags = cxx_flags + ["-DUSE_ROCM=1"]
+            label = "rocm" + torch.version.hip.split(".")[0]
         else:
             # sm_80 and sm_90a by default; TORCH_CUDA_ARCH_LIST (read by torch) overrides.
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
@@ -94,22 +109,38 @@ def native_extensions():
             # GPU arithmetic. Which multiply-adds are fused is fixed by each path's compiled code,
             # never by the batch; where two configurations must agree bit for bit, the GPU tests
             # prove it. Never --use_fast_math.
-            device_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=true"]
+            device_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "--fmad=true"]
+            device_flags += ["-lineinfo"] if DEBUG_INFO else []
+            label = "cu" + torch.version.cuda.replace(".", "")
         ext = cpp_extension.CUDAExtension(
             "rl_engine_ext._C",
             cpu_sources + gpu_sources,
             extra_compile_args={"cxx": cxx_flags, "nvcc": device_flags},
-            extra_link_args=torch_libstdcxx_link_args(),
+            extra_link_args=link_args,
             py_limited_api=True,
         )
     build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=True)
-    return [ext], {"build_ext": build_ext}
+    return [ext], {"build_ext": build_ext}, label
 
 
-ext_modules, cmdclass = native_extensions()
+def torch_requirement(native: bool) -> str:
+    """The torch a native build loads into: the building torch's minor release."""
+    if not native:
+        return "torch>=2.6"
+    import torch
 
-# Name, version and packages live in pyproject.toml.
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+
+
+ext_modules, cmdclass, variant = native_extensions()
+# An sdist is every variant's source: plain version, any torch (the wheel built from it pins).
+BUILDS_SDIST = "sdist" in sys.argv[1:]
+
+# Name and packages live in pyproject.toml; version and the torch requirement come from the build.
 setup(
+    version=VERSION + (f"+{variant}" if variant and not BUILDS_SDIST else ""),
+    install_requires=[torch_requirement(bool(ext_modules) and not BUILDS_SDIST)],
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     options={"bdist_wheel": {"py_limited_api": WHEEL_LIMITED_API}} if ext_modules else {},

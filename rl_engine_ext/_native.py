@@ -9,6 +9,7 @@ kernels choose their reduction order from the shapes.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import warnings
@@ -36,6 +37,14 @@ else:
         NATIVE_AVAILABLE = True
     except ImportError as exc:
         NATIVE_UNAVAILABLE_REASON = f"rl_engine_ext._C failed to load: {type(exc).__name__}: {exc}"
+        try:  # a build for another torch fails here (libtorch's C++ API differs between minor releases)
+            wanted = [r for r in importlib.metadata.requires("rl_engine_ext") or [] if r.startswith("torch")]
+        except importlib.metadata.PackageNotFoundError:
+            wanted = []
+        if wanted:
+            NATIVE_UNAVAILABLE_REASON += (
+                f"; this build requires {wanted[0]} and torch {torch.__version__} is installed: install the "
+                "matching torch, or rebuild against this one with `pip install --no-build-isolation .`")
 
 if not NATIVE_AVAILABLE:
     warnings.warn(

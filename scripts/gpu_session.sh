@@ -26,7 +26,7 @@ export PYTHONUNBUFFERED=1
 
 start=$(date +%s)
 if [[ ${BUILD:-1} == 1 ]]; then  # BUILD=0: a later call on a still-warm machine, already built
-  MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  RL_ENGINE_EXT_DEBUG_INFO=${RL_ENGINE_EXT_DEBUG_INFO:-1} MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
 fi
 

@@ -47,6 +47,18 @@ def _gpu_memory_discipline(request):
         torch.cuda.empty_cache()
 
 
+MARKERS = ("cuda: needs a CUDA device", "slow: long-running sweep",
+           "gpu_memory_heavy: a CUDA test holding tens of GB of GPU memory; pytest-xdist workers run these one at a "
+           "time (_gpu_memory_discipline)")
+
+
+def pytest_configure(config):
+    # Here rather than in pyproject.toml: the tests also run outside the source tree, against an
+    # installed wheel (scripts/check_packaging.sh).
+    for marker in MARKERS:
+        config.addinivalue_line("markers", marker)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -64,6 +76,17 @@ def device(request) -> str:
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request) -> torch.dtype:
     return request.param
+
+
+@pytest.fixture
+def own_compile():
+    """torch.compile in this test traces and compiles its own graphs: torch 2.11's on-disk compile
+    caches (shared by processes) key graphs without the autocast state. Set with torch's
+    config.patch, not monkeypatch: pytest >= 9.2's monkeypatch deletes a torch config entry on
+    undo (the entries are not in the config module's __dict__)."""
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        yield
 
 
 def capture_cuda_graph(step):

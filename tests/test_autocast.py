@@ -304,19 +304,14 @@ INDUCTOR_KEEPS_CAST_ROUNDING = torch.__version__ >= "2.13"
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_compile_fullgraph_matches_eager(case, run, monkeypatch):
+@torch._inductor.config.patch(emulate_precision_casts=True)
+def test_compile_fullgraph_matches_eager(case, run, own_compile):
     """bf16 activations beside fp32 parameters, autocast around the compiled call: eager's bits,
     forward and backward; the same compiled function called without autocast then casts nothing.
     (Inductor otherwise fuses a cast down and back up into nothing: an fp32 parameter's gradient,
     which eager rounds to the autocast dtype in the op's backward and casts back to fp32, would
     keep its fp32 bits.)"""
     device, dtype = run
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
-    # The autocast state around a compiled call is not part of torch 2.11's compile-cache keys (on
-    # disk, shared by processes): a graph traced under another autocast dtype would come back.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    torch._dynamo.reset()
     compiled = torch.compile(case.ours, fullgraph=True)
     args = case.make(device, torch.bfloat16)
     with _autocast(device, dtype):

@@ -111,12 +111,9 @@ def test_generate_caches_chunks_and_batch_invariance(device, model_type):
             assert all(torch.equal(a[0], b[i]) for a, b in zip(alone.logits, dynamic.logits))
 
 
-def test_compile_equals_eager_forward_and_backward(device, monkeypatch):
+def test_compile_equals_eager_forward_and_backward(device, own_compile):
     """torch.compile(fullgraph=True) of the patched model: the same logits and the same
     parameter gradients as eager, bit for bit (no glue left for inductor to re-fuse)."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # this process's own compile
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    torch._dynamo.reset()
     model = _model("qwen3", device)
     model.train()
     ids, mask = _prompts(model, device)

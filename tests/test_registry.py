@@ -301,3 +301,33 @@ def test_fallback_without_native_library():
     )
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "one warning" in done.stdout, done.stdout + done.stderr
+
+
+def test_native_load_failure_names_the_torch_the_build_requires():
+    """A native library that fails to load (a build for another torch: libtorch's C++ API differs
+    between minor releases) leaves the references on, with one warning that names the torch the
+    installed build requires (from its metadata) and the torch that is installed."""
+    script = (
+        "import importlib.abc, importlib.machinery, importlib.metadata, sys, warnings\n"
+        "class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        return importlib.machinery.ModuleSpec(name, self) if name == 'rl_engine_ext._C' else None\n"
+        "    def create_module(self, spec): return None\n"
+        "    def exec_module(self, module): raise ImportError('undefined symbol: _ZN3c1010TensorImpl')\n"
+        "sys.meta_path.insert(0, Broken())\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import rl_engine_ext, torch\n"
+        "reason = rl_engine_ext.NATIVE_UNAVAILABLE_REASON\n"
+        "assert not rl_engine_ext.NATIVE_AVAILABLE and 'undefined symbol' in reason, reason\n"
+        "assert any(reason in str(w.message) for w in caught), [str(w.message) for w in caught]\n"
+        "try:\n"
+        "    wanted = [r for r in importlib.metadata.requires('rl_engine_ext') or [] if r.startswith('torch')]\n"
+        "except importlib.metadata.PackageNotFoundError:\n"
+        "    wanted = []\n"
+        "if wanted:\n"
+        "    assert f'this build requires {wanted[0]} and torch {torch.__version__} is installed' in reason, reason\n"
+        "print('named' if wanted else 'no metadata')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=os.path.dirname(HERE))
+    assert done.returncode == 0 and done.stdout.strip() in ("named", "no metadata"), done.stdout + done.stderr
