@@ -329,5 +329,7 @@ def test_native_load_failure_names_the_torch_the_build_requires():
         "    assert f'this build requires {wanted[0]} and torch {torch.__version__} is installed' in reason, reason\n"
         "print('named' if wanted else 'no metadata')\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=os.path.dirname(HERE))
+    env = {k: v for k, v in os.environ.items() if k != "RL_ENGINE_EXT_NO_NATIVE"}  # also under the no-native rerun
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=os.path.dirname(HERE),
+                          env=env)
     assert done.returncode == 0 and done.stdout.strip() in ("named", "no metadata"), done.stdout + done.stderr
