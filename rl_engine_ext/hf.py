@@ -84,9 +84,9 @@ class AttentionBatch:
     shape = (0,)
 
 
-def _tracing_or_capturing() -> bool:
-    """Inside torch.compile's tracing or a CUDA-graph capture: no host reads of device values."""
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+def _capturing() -> bool:
+    """Inside a CUDA-graph capture: no host reads of device values."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _assert_on_device(ok: torch.Tensor, message: str) -> None:
@@ -185,7 +185,7 @@ def rl_align_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int 
     if isinstance(past, torch.Tensor):
         # A static cache's length, on the device: tracing (a compiled decode step) or a CUDA-graph
         # capture means a cache in use (reading it would synchronise).
-        past = None if _tracing_or_capturing() else int(past)
+        past = None if torch.compiler.is_compiling() or _capturing() else int(past)
     if past == 0:
         if packed_ids is not None:
             return _packed_ids_batch(packed_ids.to(device))
@@ -318,7 +318,7 @@ def _base_model_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
         if kwargs.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             seen = 0 if cache is None else cache.get_seq_length()
-            if isinstance(seen, torch.Tensor) and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if isinstance(seen, torch.Tensor) and _capturing():
                 raise ValueError("rl_align: a CUDA-graph-captured step with a static cache needs position_ids "
                                  "(the cache length is on the device; generate() passes them)")
             if seen == 0:
