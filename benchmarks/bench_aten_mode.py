@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
-from benchmarks.common import ABBA_LEGEND, _abba, bench, bench_arg_parser, start_run, verdict  # noqa: E402
+from benchmarks.common import ABBA_LEGEND, abba, bench, bench_arg_parser, start_run, verdict  # noqa: E402
 
 TARGET_SLOWDOWN = 1.20
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
@@ -96,7 +96,7 @@ def main() -> int:
     def step_mode():  # the same step; time_one runs it with the mode on
         step()
 
-    pair = _abba(time_one, step_mode, step)
+    pair = abba(time_one, step_mode, step)
     shape = f"{model_name}-x2L_{batch}x{seq}"
     out.add_pair("train_step", shape, "bf16", "fwd+bwd", pair, reference="torch", ratio_metric="ratio_vs_torch")
     slowdowns = (1 / pair.pair1, 1 / pair.pair2)

@@ -121,8 +121,9 @@ def _mean_timing(a: Timing, b: Timing) -> Timing:
     return Timing((a.median_us + b.median_us) / 2, (a.p20_us + b.p20_us) / 2, (a.p80_us + b.p80_us) / 2)
 
 
-def _abba(time_one: Callable[[Callable[[], object]], Timing], ours: Callable[[], object],
+def abba(time_one: Callable[[Callable[[], object]], Timing], ours: Callable[[], object],
           reference: Callable[[], object]) -> PairTiming:
+    """time_one(ours), time_one(reference), time_one(reference), time_one(ours) as a PairTiming."""
     a1 = time_one(ours)
     b1 = time_one(reference)
     b2 = time_one(reference)
@@ -137,10 +138,10 @@ def bench_abba(ours: Callable[[], object], reference: Callable[[], object], *, d
     at rep_ms; with wall=True then also A-B-B-A with bench_wall() at wall_iters (a second,
     separate A-B-B-A after the first, returned as .wall). How the sides and the ratio are
     summarised: see PairTiming."""
-    pair = _abba(lambda fn: bench(fn, device=device, rep_ms=rep_ms), ours, reference)
+    pair = abba(lambda fn: bench(fn, device=device, rep_ms=rep_ms), ours, reference)
     if not wall:
         return pair
-    walls = _abba(lambda fn: bench_wall(fn, device=device, iters=wall_iters), ours, reference)
+    walls = abba(lambda fn: bench_wall(fn, device=device, iters=wall_iters), ours, reference)
     return dataclasses.replace(pair, wall=walls)
 
 

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Installs what rl_engine_ext needs and builds it in place (idempotent; safe to rerun).
-#   * torch: kept if already importable (CUDA or ROCm builds on GPU machines); otherwise the
-#     CPU wheel torch==2.13.0 (never a plain `torch`, which would pull a multi-GB CUDA build).
+#   * torch: kept if already importable (CUDA or ROCm builds on GPU machines); otherwise a CPU
+#     build of torch==$TORCH_VERSION (default 2.13.0), installed only from a source that really
+#     serves one: pip's configured indexes first (this project's CI machines keep the CPU wheel on
+#     disk), then PyTorch's CPU index. The PyPI wheel of the same version is a multi-GB CUDA build
+#     on Linux x86-64: if no source offers a CPU build, nothing is installed and the script says
+#     how to install a torch yourself.
 #   * build/test tools: ninja, pybind11, pytest, hypothesis, matplotlib (benchmark plots),
 #     transformers (the model patch's tests and example).
 #   * the package: pip install --no-build-isolation -e .  (RL_ENGINE_EXT_NO_NATIVE=1 skips the
@@ -10,8 +14,38 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q torch==2.13.0
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+# Exit 0 if what pip would install for torch==$TORCH_VERSION (with the extra pip arguments given)
+# is a CPU build: a "+cpu" version, or no CUDA runtime packages among its requirements. pip's
+# --dry-run resolves from the index's metadata without downloading the wheel.
+is_cpu_torch_source() {
+  local report
+  report=$(mktemp)
+  "$PY" -m pip install --dry-run --no-deps -q --report "$report" "$@" "torch==$TORCH_VERSION" >/dev/null 2>&1 \
+    && "$PY" - "$report" <<'PY'
+import json, sys
+item = json.load(open(sys.argv[1]))["install"][0]
+meta = item["metadata"]
+gpu = [r for r in meta.get("requires_dist", []) if r.startswith(("nvidia-", "triton"))]
+print(f"bootstrap: torch {meta['version']} from {item['download_info']['url']}: "
+      + ("a CPU build" if meta["version"].endswith("+cpu") or not gpu else f"NOT a CPU build (requires {gpu[0]}, ...)"))
+sys.exit(0 if meta["version"].endswith("+cpu") or not gpu else 1)
+PY
+}
+
+if "$PY" -c "import torch" 2>/dev/null; then
+  echo "bootstrap: keeping the installed torch $("$PY" -c "import torch; print(torch.__version__)")"
+elif is_cpu_torch_source; then
+  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+elif is_cpu_torch_source --index-url "$TORCH_CPU_INDEX"; then
+  "$PY" -m pip install -q --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION"
+else
+  echo "bootstrap: no CPU build of torch==$TORCH_VERSION is reachable (pip's indexes, $TORCH_CPU_INDEX);" \
+    "nothing installed. Install the torch you want first (CPU: pip install torch==$TORCH_VERSION" \
+    "--index-url $TORCH_CPU_INDEX; CUDA/ROCm: see pytorch.org), then rerun." >&2
+  exit 1
 fi
 missing=()
 for mod in ninja pybind11 pytest hypothesis matplotlib setuptools wheel; do

