@@ -57,9 +57,17 @@ def torch_libstdcxx_link_args() -> list[str]:
 
 def native_extensions():
     """(ext_modules, cmdclass, variant label): the label names what the library was built for."""
-    if os.environ.get("RL_ENGINE_EXT_NO_NATIVE", "0") == "1":
+    if os.environ.get("RL_ENGINE_EXT_NO_NATIVE", "0") == "1" or BUILDS_SDIST:
         return [], {}, None
-    import torch
+    try:
+        import torch
+    except ImportError as e:
+        # torch is deliberately not a build requirement (pyproject.toml): an isolated build would
+        # fetch the newest torch from the index and compile against that instead of yours.
+        sys.exit(f"rl_engine_ext: the native build compiles against the torch it will run with, and none is "
+                 f"importable here ({e}). Install torch first, then build with `pip install "
+                 f"--no-build-isolation .` (build isolation hides the installed torch); "
+                 f"RL_ENGINE_EXT_NO_NATIVE=1 builds the pure-Python package instead.")
     from torch.utils import cpp_extension
 
     csrc = "csrc"
@@ -133,14 +141,14 @@ def torch_requirement(native: bool) -> str:
     return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
 
-ext_modules, cmdclass, variant = native_extensions()
 # An sdist is every variant's source: plain version, any torch (the wheel built from it pins).
 BUILDS_SDIST = "sdist" in sys.argv[1:]
+ext_modules, cmdclass, variant = native_extensions()
 
 # Name and packages live in pyproject.toml; version and the torch requirement come from the build.
 setup(
-    version=VERSION + (f"+{variant}" if variant and not BUILDS_SDIST else ""),
-    install_requires=[torch_requirement(bool(ext_modules) and not BUILDS_SDIST)],
+    version=VERSION + (f"+{variant}" if variant else ""),
+    install_requires=[torch_requirement(bool(ext_modules))],
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     options={"bdist_wheel": {"py_limited_api": WHEEL_LIMITED_API}} if ext_modules else {},

@@ -34,7 +34,7 @@ quiet_pip() {  # this machine's pip config names local index folders that may be
 quiet_pip "$TORCH_SPEC"
 quiet_pip "$wheel" pytest hypothesis "transformers==5.17.0"
 mkdir "$work/run"
-cp -r tests examples benchmarks scripts "$work/run/"  # not the package: it comes from the wheel
+cp -r tests examples benchmarks scripts setup.py "$work/run/"  # not the package: it comes from the wheel
 cd "$work/run"
 "$venv_py" - <<'PY'
 import os, sys

@@ -1,5 +1,5 @@
-"""The release scripts' refusals (scripts/bootstrap.sh, scripts/build_wheel.sh): each says why and
-changes nothing. Their working paths run in CI: bootstrap.sh on every fresh machine, build_wheel.sh
+"""The release scripts' refusals (scripts/bootstrap.sh, scripts/build_wheel.sh, setup.py without an
+importable torch): each says why and changes nothing. Their working paths run in CI: bootstrap.sh on every fresh machine, build_wheel.sh
 cpu in scripts/check_packaging.sh, whose wheel the whole suite is then run against."""
 
 import os
@@ -51,3 +51,15 @@ def test_build_wheel_names_the_variants(args, tmp_path):
     assert done.returncode != 0
     assert "cpu|cuda|rocm" in done.stderr or "variant must be cpu, cuda or rocm, got 'metal'" in done.stderr
 
+
+
+def test_setup_py_without_an_importable_torch_says_to_build_without_isolation(tmp_path):
+    # What an isolated build (`pip install .` without --no-build-isolation) sees: torch is not a
+    # build requirement, so it is not importable there.
+    shadow = tmp_path / "torch"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text('raise ImportError("No module named torch")\n')
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "--version"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "pip install --no-build-isolation ." in done.stderr and "RL_ENGINE_EXT_NO_NATIVE=1" in done.stderr
