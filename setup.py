@@ -17,8 +17,9 @@ MAX_JOBS bounds parallel compilation (read by torch's ninja build).
 Metadata from the torch that builds it: the version carries the variant as a local label
 (0.1.0+cpu, +cu130, +rocm6), and a native build requires that torch's minor release (the library
 links libtorch's C++ API, which is not stable across minor releases). Build with the torch you
-will run: `pip install --no-build-isolation .` (isolation would build against the newest torch on
-the index instead).
+will run: `pip install --no-build-isolation .`. torch is not a build requirement (pyproject.toml),
+so an isolated build cannot import it and stops with that advice instead of compiling against
+whatever torch the index would have fetched.
 """
 
 import glob

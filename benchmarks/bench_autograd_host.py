@@ -163,12 +163,10 @@ def main() -> int:
     switch = PythonAutograd()
 
     def measure(op: str, shape: str, mode: str, fn, n: int) -> float:
-        fn()  # warm up on the current kernels; abba's sides warm up again after each switch
         sides = {"cpp": False, "python": True}
 
-        def time_one(side: str):
+        def time_one(side: str):  # bench_wall's first loop warms the side just switched to
             switch.set(sides[side])
-            fn()
             return bench_wall(fn, device=device, iters=n)
 
         pair = abba(time_one, "cpp", "python")

@@ -29,9 +29,10 @@ import json, sys
 item = json.load(open(sys.argv[1]))["install"][0]
 meta = item["metadata"]
 gpu = [r for r in meta.get("requires_dist", []) if r.startswith(("nvidia-", "triton"))]
+cpu = meta["version"].endswith("+cpu") or not gpu
 print(f"bootstrap: torch {meta['version']} from {item['download_info']['url']}: "
-      + ("a CPU build" if meta["version"].endswith("+cpu") or not gpu else f"NOT a CPU build (requires {gpu[0]}, ...)"))
-sys.exit(0 if meta["version"].endswith("+cpu") or not gpu else 1)
+      + ("a CPU build" if cpu else f"NOT a CPU build (requires {gpu[0]}, ...)"))
+sys.exit(0 if cpu else 1)
 PY
 }
 
