@@ -56,6 +56,23 @@ __device__ __forceinline__ uint32_t keep_halves(uint32_t x, bool lo_keep, bool h
   return (lo_keep ? x & 0xffffu : 0u) | (hi_keep ? x & 0xffff0000u : 0u);
 }
 
+// op over row hh's KEY_TILES x 2 values of `tile` (one m16 tile's n8 key tiles): the lane's pairs
+// (e = 0, 1) first, then halving over the key tiles (x[i] with x[i + w], w = KEY_TILES / 2, .., 1),
+// then the row's quad of lanes (butterfly 1, 2): a fixed tree, and with op commutative the 4 lanes
+// end with the same bits.
+template <int KEY_TILES, typename Op>
+__device__ __forceinline__ float row_reduce(const float (&tile)[KEY_TILES][4], int hh, Op op) {
+  float x[KEY_TILES];
+#pragma unroll
+  for (int nt = 0; nt < KEY_TILES; ++nt) x[nt] = op(tile[nt][2 * hh], tile[nt][2 * hh + 1]);
+#pragma unroll
+  for (int w = KEY_TILES / 2; w > 0; w /= 2) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) x[i] = op(x[i], x[i + w]);
+  }
+  float r = op(x[0], shfl_xor(x[0], 1, 4));
+  return op(r, shfl_xor(r, 2, 4));
+}
 
 // One key block of the recurrence (attention_problem.h; the steps are in this file's header) for
 // MT m16 row tiles whose scores of the block's KEY_TILES n8 key tiles are this thread's C
@@ -93,25 +110,13 @@ __device__ __forceinline__ bool softmax_block(float (&score)[MT][KEY_TILES][4], 
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      // Extreme score of the allowed keys (max for scale >= 0, min for scale < 0): a tree over
-      // the lane's 16 keys, then over the row's quad. max and min are exact, so any order gives
-      // the same bits.
-      float ext[KEY_TILES];
-#pragma unroll
-      for (int nt = 0; nt < KEY_TILES; ++nt) {
-        ext[nt] = extreme<SCALE_NONNEG>(score[mt][nt][2 * hh], score[mt][nt][2 * hh + 1]);
-      }
-#pragma unroll
-      for (int w = KEY_TILES / 2; w > 0; w /= 2) {
-#pragma unroll
-        for (int i = 0; i < w; ++i) ext[i] = extreme<SCALE_NONNEG>(ext[i], ext[i + w]);
-      }
-      ext[0] = extreme<SCALE_NONNEG>(ext[0], shfl_xor(ext[0], 1, 4));
-      ext[0] = extreme<SCALE_NONNEG>(ext[0], shfl_xor(ext[0], 2, 4));
+      // Extreme score of the allowed keys (max for scale >= 0, min for scale < 0). max and min
+      // are exact, so any order gives the same bits.
+      const float ext = row_reduce(score[mt], hh, [](float a, float b) { return extreme<SCALE_NONNEG>(a, b); });
       // max_j (s_j scale_log2) = scale_log2 * ext (rounding is monotonic). A block with no
       // allowed key has ext = -+inf, and scale_log2 = 0 would give NaN: fmaxf drops it.
       const float old_max = row_max[mt][hh];
-      const float new_max = fmaxf(old_max, __fmul_rn(ext[0], scale_log2));
+      const float new_max = fmaxf(old_max, __fmul_rn(ext, scale_log2));
       row_alpha[mt][hh] = old_max == new_max ? 1.f : ex2(__fsub_rn(old_max, new_max));
       row_max[mt][hh] = new_max;
       // p_j = 2^(s_j scale_log2 - m'): one fma per key.
@@ -127,25 +132,13 @@ __device__ __forceinline__ bool softmax_block(float (&score)[MT][KEY_TILES][4], 
   // Masked keys: p_j = 0, selected (for scale_log2 != 0 the fma already gave -inf and ex2(-inf)
   // = +0; for scale_log2 = 0 it gave NaN).
   mask_scores(0.f);
-  // Block sums: a fixed pairwise tree over the lane's 16 keys (key-tile pairs e = 0, 1, then
-  // halving over the key tiles), then the quad butterfly (commutative: the 4 lanes get the same
-  // bits); l = l alpha + sum.
+  // Block sums (row_reduce's fixed tree); l = l alpha + sum.
   bool rescale = false;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float part[KEY_TILES];
-#pragma unroll
-      for (int nt = 0; nt < KEY_TILES; ++nt) part[nt] = __fadd_rn(score[mt][nt][2 * hh], score[mt][nt][2 * hh + 1]);
-#pragma unroll
-      for (int w = KEY_TILES / 2; w > 0; w /= 2) {
-#pragma unroll
-        for (int i = 0; i < w; ++i) part[i] = __fadd_rn(part[i], part[i + w]);
-      }
-      float block_sum = part[0];
-      block_sum = __fadd_rn(block_sum, shfl_xor(block_sum, 1, 4));
-      block_sum = __fadd_rn(block_sum, shfl_xor(block_sum, 2, 4));
+      const float block_sum = row_reduce(score[mt], hh, [](float a, float b) { return __fadd_rn(a, b); });
       row_sum[mt][hh] = __fmaf_rn(row_sum[mt][hh], row_alpha[mt][hh], block_sum);
       rescale = rescale || row_alpha[mt][hh] != 1.f;
     }
