@@ -127,6 +127,12 @@ struct AttentionProblem {
   const void* k = nullptr;
   const void* v = nullptr;
   int64_t kv_stride_token = 0, kv_stride_head = 0;
+  // Where the sm90 path's tensor maps may read (they address q and k by coordinates, not by
+  // pointer): the elements from q (out, dout, dq) and from k (v, dk, dv) to the end of their dense
+  // storage, and dim 0's stride (between batch rows; the token stride when packed; 0 for a single
+  // row): every sequence's base offset is a multiple of it plus whole tokens.
+  int64_t q_elements = 0, kv_elements = 0;
+  int64_t q_stride_outer = 0, kv_stride_outer = 0;
   // Output in the input dtype; lse fp32: LSE[s][h][i] = lse[seqs[s].lse_base + h * lse_stride_head + i].
   void* out = nullptr;
   float* lse = nullptr;

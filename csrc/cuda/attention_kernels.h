@@ -13,9 +13,12 @@ namespace rl_align {
 // Kernel families. Which one runs is chosen from (dtype, head_dim, device arch) only, never from
 // the batch: each family fixes its own dot-product order, so one family serves every batch,
 // decode and prefill alike.
+// The sm90 path gives the sm80 path's bits: the same recurrence steps (attention_recurrence.cuh)
+// on accumulators that wgmma rounds as mma.sync does (the tests compare the two bit for bit).
 enum class AttentionPath : int {
-  kSm80 = 0,  // mma.sync m16n8k16 + ldmatrix + cp.async (CUDA >= sm_80), bf16/fp16, head_dim 64/128
-  kSimt = 1,  // FMA kernels: fp32 everywhere (no TF32), other head dims, every dtype on HIP
+  kSm90 = 0,  // wgmma + TMA (sm_90a build, compute capability 9.0), bf16/fp16, head_dim 64/128
+  kSm80 = 1,  // mma.sync m16n8k16 + ldmatrix + cp.async (CUDA >= sm_80), bf16/fp16, head_dim 64/128
+  kSimt = 2,  // FMA kernels: fp32 everywhere (no TF32), other head dims, every dtype on HIP
 };
 
 // The simt path's largest head_dim (the sm80 path takes 64 and 128 only).
@@ -24,7 +27,11 @@ constexpr int64_t kAttentionSimtMaxHeadDim = 256;
 // Whether `path` was compiled into this build and runs `dtype` x `head_dim` on `device`.
 bool attention_path_available(AttentionPath path, DType dtype, int64_t head_dim, int device);
 
-// fp32 partial states of the KV splits (attention_problem.h) for the sm80 forward: `slots`
+// Whether this build holds the sm90 kernels (an sm_90a cubin) for `device` (compute capability 9.0)
+// and the driver can encode tensor maps.
+bool attention_sm90_compiled_for(int device);
+
+// fp32 partial states of the KV splits (attention_problem.h) for the tensor-core forwards (sm80, sm90): `slots`
 // states per row (row = one lse element, LSE index order), acc [rows][slots][head_dim] and
 // ml [rows][slots][2] (running max in the log2 domain, sum). slots = 1: a prefill CTA keeps a
 // row's merged state there while it runs the next split; slots = splits: a decode step runs each
@@ -39,18 +46,21 @@ struct AttentionFwdWorkspace {
   int64_t* masked_nonfinite = nullptr;
 };
 
-// The slots per row the sm80 forward needs for `p` (0: no workspace, every row's keys
+// The slots per row the tensor-core forwards need for `p` (0: no workspace, every row's keys
 // lie in one split). Chosen from shapes only.
-int64_t attention_fwd_sm80_split_slots(const AttentionProblem& p);
+int64_t attention_fwd_split_slots(const AttentionProblem& p);
 
 // Forward: writes out and lse for every query of every sequence (rows of sequences with
-// q_len = 0 are not touched). `w`: attention_fwd_sm80_split_slots(p) slots per row.
+// q_len = 0 are not touched). `w`: attention_fwd_split_slots(p) slots per row.
+gpuError_t attention_fwd_sm90(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                              gpuStream_t stream);
 gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
                               gpuStream_t stream);
 gpuError_t attention_fwd_simt(DType dtype, const AttentionProblem& p, gpuStream_t stream);
 
 // Backward (q_len == kv_len for every sequence): writes delta, then dq, dk, dv for every token of
 // every sequence.
+gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 

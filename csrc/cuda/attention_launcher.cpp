@@ -1,11 +1,12 @@
 // Torch binding of the attention GPU kernels: path choice, device guard, current stream, dtype
-// mapping. The kernels live in attention_sm80.cu (forward), attention_sm80_bwd.cu (backward) and
-// attention_simt.cu (FMA kernels, path table).
+// mapping. The kernels live in attention_sm90.cu / attention_sm90_bwd.cu (Hopper),
+// attention_sm80.cu / attention_sm80_bwd.cu and attention_simt.cu (FMA kernels).
 //
 // Path: chosen from (dtype, head_dim, device) only, so decode, chunked prefill and training
-// forwards of one model always share it: bf16/fp16 with head_dim 64 or 128 take sm80 on CUDA
-// GPUs >= 8.0; fp32 (true fp32, no TF32), other head dims and HIP take simt.
-// RL_ENGINE_EXT_ATTENTION_PATH=sm80|simt forces one (tests, benchmarks); forcing a path the
+// forwards of one model always share it: bf16/fp16 with head_dim 64 or 128 take sm90 on an sm_90a
+// build running on compute capability 9.0, else sm80 on CUDA GPUs >= 8.0; fp32 (true fp32, no
+// TF32), other head dims and HIP take simt. sm90 and sm80 give the same bits.
+// RL_ENGINE_EXT_ATTENTION_PATH=sm90|sm80|simt forces one (tests, benchmarks); forcing a path the
 // device cannot run is an error, never a silent fallback.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -19,19 +20,29 @@
 namespace rl_align {
 namespace {
 
-const char* path_name(AttentionPath path) { return path == AttentionPath::kSm80 ? "sm80" : "simt"; }
+const char* path_name(AttentionPath path) {
+  switch (path) {
+    case AttentionPath::kSm90: return "sm90";
+    case AttentionPath::kSm80: return "sm80";
+    case AttentionPath::kSimt: return "simt";
+  }
+  return "?";
+}
 
 AttentionPath choose_path(const char* op, at::ScalarType dtype, int64_t head_dim, int device) {
   const DType dt = kernel_dtype(dtype);
-  const int forced = forced_path_index(op, "RL_ENGINE_EXT_ATTENTION_PATH", {"sm80", "simt"});
+  constexpr AttentionPath kPaths[] = {AttentionPath::kSm90, AttentionPath::kSm80, AttentionPath::kSimt};
+  const int forced = forced_path_index(op, "RL_ENGINE_EXT_ATTENTION_PATH", {"sm90", "sm80", "simt"});
   if (forced >= 0) {
-    const AttentionPath path = forced == 0 ? AttentionPath::kSm80 : AttentionPath::kSimt;
+    const AttentionPath path = kPaths[forced];
     TORCH_CHECK(attention_path_available(path, dt, head_dim, device), "rl_align::", op,
                 ": RL_ENGINE_EXT_ATTENTION_PATH=", path_name(path), " cannot run ",
                 dtype_name(dtype), " with head_dim ", head_dim, " on this device");
     return path;
   }
-  if (attention_path_available(AttentionPath::kSm80, dt, head_dim, device)) return AttentionPath::kSm80;
+  for (AttentionPath path : {AttentionPath::kSm90, AttentionPath::kSm80}) {
+    if (attention_path_available(path, dt, head_dim, device)) return path;
+  }
   TORCH_CHECK_VALUE(attention_path_available(AttentionPath::kSimt, dt, head_dim, device), "rl_align::",
                     op, ": head_dim ", head_dim, " is not supported on this device (simt path: 1..256)");
   return AttentionPath::kSimt;
@@ -39,17 +50,17 @@ AttentionPath choose_path(const char* op, at::ScalarType dtype, int64_t head_dim
 
 struct CudaBackend {
   static bool needs_aligned_operands(at::ScalarType dtype, int64_t head_dim, const at::Tensor& t) {
-    return choose_path("attention", dtype, head_dim, t.get_device()) == AttentionPath::kSm80;
+    return choose_path("attention", dtype, head_dim, t.get_device()) != AttentionPath::kSimt;
   }
   static void fwd(const char* op, at::ScalarType dtype, const AttentionProblem& p, const at::Tensor& t) {
     const c10::cuda::CUDAGuard guard(t.device());
     const AttentionPath path = choose_path(op, dtype, p.head_dim, t.get_device());
     const gpuStream_t stream = at::cuda::getCurrentCUDAStream();
     gpuError_t err;
-    if (path == AttentionPath::kSm80) {
+    if (path != AttentionPath::kSimt) {
       // Split workspace: rows = lse elements = q elements / head_dim (every layout).
       AttentionFwdWorkspace w;
-      w.slots = attention_fwd_sm80_split_slots(p);
+      w.slots = attention_fwd_split_slots(p);
       at::Tensor buffer;
       if (w.slots > 0) {
         const int64_t rows = t.numel() / p.head_dim;
@@ -58,7 +69,8 @@ struct CudaBackend {
         w.ml = w.acc + rows * w.slots * p.head_dim;
       }
       if (p.max_q_len > 1) w.masked_nonfinite = p.status;
-      err = attention_fwd_sm80(kernel_dtype(dtype), p, w, stream);
+      err = path == AttentionPath::kSm90 ? attention_fwd_sm90(kernel_dtype(dtype), p, w, stream)
+                                         : attention_fwd_sm80(kernel_dtype(dtype), p, w, stream);
     } else {
       err = attention_fwd_simt(kernel_dtype(dtype), p, stream);
     }
@@ -69,8 +81,12 @@ struct CudaBackend {
     const c10::cuda::CUDAGuard guard(t.device());
     const AttentionPath path = choose_path(op, dtype, p.fwd.head_dim, t.get_device());
     const gpuStream_t stream = at::cuda::getCurrentCUDAStream();
-    const gpuError_t err = path == AttentionPath::kSm80 ? attention_bwd_sm80(kernel_dtype(dtype), p, stream)
-                                                        : attention_bwd_simt(kernel_dtype(dtype), p, stream);
+    gpuError_t err;
+    switch (path) {
+      case AttentionPath::kSm90: err = attention_bwd_sm90(kernel_dtype(dtype), p, stream); break;
+      case AttentionPath::kSm80: err = attention_bwd_sm80(kernel_dtype(dtype), p, stream); break;
+      default: err = attention_bwd_simt(kernel_dtype(dtype), p, stream); break;
+    }
     TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", path_name(path),
                 " attention backward launch failed: ", gpu_error_string(err));
   }

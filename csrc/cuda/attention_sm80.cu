@@ -982,7 +982,18 @@ gpuError_t dispatch_head_dim(const AttentionProblem& p, const AttentionFwdWorksp
 
 }  // namespace
 
-int64_t attention_fwd_sm80_split_slots(const AttentionProblem& p) {
+gpuError_t attention_split_combine_sm80(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                                        gpuStream_t stream) {
+  return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
+      dtype,
+      [&](auto tag) {
+        using T = decltype(tag);
+        return p.head_dim == 64 ? launch_combine<T, 64>(p, w, stream) : launch_combine<T, 128>(p, w, stream);
+      },
+      gpu_not_supported);
+}
+
+int64_t attention_fwd_split_slots(const AttentionProblem& p) {
   switch (split_mode(p)) {
     case SplitMode::kPerSplit: return split_count(p);
     case SplitMode::kMerge: return 1;
@@ -996,7 +1007,7 @@ gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, const Atte
                               gpuStream_t stream) {
   const gpuError_t err = sm80_attention_problem_error(dtype, p, p.heads_kv);  // grid y: kv heads
   if (err != cudaSuccess || p.num_seqs == 0 || p.max_q_len == 0) return err;
-  if (w.slots != attention_fwd_sm80_split_slots(p) || (w.slots > 0 && (w.acc == nullptr || w.ml == nullptr)) ||
+  if (w.slots != attention_fwd_split_slots(p) || (w.slots > 0 && (w.acc == nullptr || w.ml == nullptr)) ||
       (p.max_q_len > 1 && w.masked_nonfinite == nullptr)) {
     return cudaErrorInvalidValue;
   }
@@ -1009,7 +1020,7 @@ gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, const Atte
 #else  // RL_ALIGN_HIP
 
 namespace rl_align {
-int64_t attention_fwd_sm80_split_slots(const AttentionProblem&) { return 0; }
+int64_t attention_fwd_split_slots(const AttentionProblem&) { return 0; }
 gpuError_t attention_fwd_sm80(DType, const AttentionProblem&, const AttentionFwdWorkspace&, gpuStream_t) {
   return RL_GPU(ErrorNotSupported);
 }

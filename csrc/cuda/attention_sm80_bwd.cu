@@ -789,8 +789,17 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 unsigned grid_dim(int64_t n, int64_t cap) { return static_cast<unsigned>(n < cap ? n : cap); }
 
 template <typename T, int D>
-gpuError_t launch_bwd(const AttentionGradProblem& gp, gpuStream_t stream) {
+gpuError_t launch_delta(const AttentionGradProblem& gp, gpuStream_t stream) {
   using Delta = DeltaConfig<D>;
+  const AttentionProblem& p = gp.fwd;
+  const dim3 delta_grid(grid_dim(ceil_div(p.max_q_len, Delta::ROWS), INT32_MAX),
+                        static_cast<unsigned>(p.heads_q), grid_dim(p.num_seqs, 65535));
+  attention_bwd_delta_kernel<T, Delta><<<delta_grid, Delta::THREADS, 0, stream>>>(gp);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+gpuError_t launch_bwd(const AttentionGradProblem& gp, gpuStream_t stream) {
   using Dkv = DkvCfg<D>;
   using Dq = DqCfg<D>;
   const AttentionProblem& p = gp.fwd;
@@ -798,10 +807,7 @@ gpuError_t launch_bwd(const AttentionGradProblem& gp, gpuStream_t stream) {
   const unsigned seq_grid = grid_dim(p.num_seqs, 65535);
   const float scale_log2 = scale_log2e(p);  // exp(scale s - lse) = 2^(s scale_log2 - lse log2(e))
 
-  const dim3 delta_grid(grid_dim(ceil_div(p.max_q_len, Delta::ROWS), INT32_MAX),
-                        static_cast<unsigned>(p.heads_q), seq_grid);
-  attention_bwd_delta_kernel<T, Delta><<<delta_grid, Delta::THREADS, 0, stream>>>(gp);
-  gpuError_t err = cudaGetLastError();
+  gpuError_t err = launch_delta<T, D>(gp, stream);
   if (err != cudaSuccess) return err;
 
   auto dkdv = attention_bwd_dkdv_sm80_kernel<T, Dkv>;
@@ -832,6 +838,16 @@ gpuError_t dispatch_head_dim(const AttentionGradProblem& gp, gpuStream_t stream)
 
 
 }  // namespace
+
+gpuError_t attention_bwd_delta_sm80(DType dtype, const AttentionGradProblem& gp, gpuStream_t stream) {
+  return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
+      dtype,
+      [&](auto tag) {
+        using T = decltype(tag);
+        return gp.fwd.head_dim == 64 ? launch_delta<T, 64>(gp, stream) : launch_delta<T, 128>(gp, stream);
+      },
+      gpu_not_supported);
+}
 
 // Problem requirements: sm80_attention_problem_error (attention_sm80_common.h), and dout, dq, dk,
 // dv 16-byte aligned like q (written in 4-byte pieces, read in 16-byte ones), delta non-null.

@@ -7,6 +7,7 @@
 #include "../common/attention_problem.h"
 #include "../common/portability.h"
 #include "../primitives/mma_sm80.h"
+#include "attention_kernels.h"
 
 #if !RL_ALIGN_HIP
 namespace rl_align {
@@ -40,6 +41,13 @@ inline gpuError_t sm80_attention_problem_error(DType dtype, const AttentionProbl
   }
   return cudaSuccess;
 }
+
+// Kernels of this path whose arithmetic involves no mma, which the sm90 path launches as well:
+// the merge of per-split partials (attention_sm80.cu) and delta_i = dot(dO_i, O_i)
+// (attention_sm80_bwd.cu). Problems as attention_fwd_sm80 / attention_bwd_sm80 take them.
+gpuError_t attention_split_combine_sm80(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                                        gpuStream_t stream);
+gpuError_t attention_bwd_delta_sm80(DType dtype, const AttentionGradProblem& gp, gpuStream_t stream);
 
 // scale * log2(e), rounded once: the kernels take exp(scale s - m) as 2^(s scale log2(e) - m log2(e)).
 inline float scale_log2e(const AttentionProblem& p) {

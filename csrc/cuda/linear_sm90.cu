@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         mbar_wait(&full[stage], phase);
         const uint32_t a_base = smem_addr(a_stage(stage)) + a_offset;
         const uint32_t b_base = smem_addr(b_stage(stage));
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        wgmma_fence();
         // The k16 chunks go in increasing k: this order is the invariance contract.
 #pragma unroll
         for (int s = 0; s < kBlockK / kMmaK; ++s) {
@@ -286,9 +286,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
               smem_desc(chunk_addr<B_MN>(b_base, s), kMnChunkBytes, kSwizzleAtomBytes),
               HAS_ACCUM || kb > 0 || s > 0);
         }
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        wgmma_commit();
         // Keep this k-block's MMAs in flight; the previous block's are done, free its stage.
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        wgmma_wait<1>();
         if (held_stage >= 0 && tid == 0) release(held_stage);
         held_stage = stage;
         if (++stage == STAGES) {
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           phase ^= 1;
         }
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      wgmma_wait<0>();
       fence_accumulators(acc);
       if (held_stage >= 0 && tid == 0) release(held_stage);
 #pragma unroll

@@ -172,6 +172,10 @@ inline AttentionProblem make_problem(const DeviceSeqs& d, const at::Tensor& q, c
   p.v = v.const_data_ptr();
   p.kv_stride_token = k.stride(q_token_dim);
   p.kv_stride_head = k.stride(q_head_dim);
+  p.q_elements = q.numel();
+  p.kv_elements = k.numel();
+  p.q_stride_outer = q.size(0) > 1 ? q.stride(0) : 0;
+  p.kv_stride_outer = k.size(0) > 1 ? k.stride(0) : 0;
   p.lse_stride_head = lse_stride_head;
   p.scale = static_cast<float>(scale);
   p.causal = causal;

@@ -82,6 +82,16 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// A box of a 3-D tensor map at coordinates (c0 innermost), completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // The same box written at the same offset into every CTA of `cta_mask`, each CTA's barrier at
 // `bar`'s offset taking the bytes.
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map,
@@ -104,6 +114,27 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading, u
          (static_cast<uint64_t>((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// Generic-proxy shared-memory writes (st.shared) made visible to the async proxy (wgmma, TMA).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Named barriers (ids 1..15; 0 is __syncthreads): `threads` arrivals complete a phase.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A warpgroup's wgmma issue: fence before the first (its registers are ready), commit the issued
+// ones as a group, wait until at most N groups are in flight.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across a wgmma wait.
 template <int N>
 __device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
 #pragma unroll
