@@ -21,6 +21,12 @@ ratio, reference time / ours) is what the targets judge:
   fwd S=4096 >= 0.90, S=1024 >= 0.85; fwd+bwd S=4096 >= 0.80, S=1024 >= 0.75 (Hopper issue);
   decode 1 x 32768 and 4 x 16384 >= 0.80, 8 x 8192 >= 0.90, 64 x 1024 >= 0.90, 64 x 4096 and
   64 x 16384 >= 1.0 (long-tail issue).
+Ours is the default attention path (sm90 on an H100, sm80 on other GPUs >= sm_80; printed, and
+in the CSV as the row of mode "default_path" whose metric is the path). On a GPU with a tensor-core
+path every row also times ours with RL_ENGINE_EXT_ATTENTION_PATH=sm80 (provider
+"rl_engine_ext_sm80", printed "ours_sm80") A-B-B-A against the default (ratio_vs_rl_engine_ext_sm80:
+sm80's time / the default's) and against the row's fastest reference (its ratio_vs_best, judged by
+the same targets).
 GPU time per call from triton's do_bench (L2 flushed). Prints one line per (row, reference) with
 both pair ratios and PASS/MISS per target (never asserts). --quick: tiny shapes (CPU smoke test).
 """
@@ -40,6 +46,37 @@ from benchmarks.common import (  # noqa: E402
 )
 
 HQ, HKV = 32, 8
+PATH_ENV = "RL_ENGINE_EXT_ATTENTION_PATH"
+FORCED_PATH = "sm80"
+
+
+def on_path(path: str | None, fn):
+    """fn with PATH_ENV=path (None: unset, the default path) set at every call: the library reads
+    the variable at each call, and A-B-B-A interleaves this side with the other."""
+    def run():
+        if path is None:
+            os.environ.pop(PATH_ENV, None)
+        else:
+            os.environ[PATH_ENV] = path
+        return fn()
+
+    return run
+
+
+def default_path(head_dim: int, dtype: torch.dtype) -> str:
+    """The path the library takes by default for (dtype, head_dim) on this GPU: the first of sm90
+    and sm80 that forcing does not refuse (attention_launcher.cpp's order), else simt."""
+    q = torch.zeros(1, 1, 1, head_dim, device="cuda", dtype=dtype)
+    for path in ("sm90", "sm80"):
+        try:
+            on_path(path, lambda: rl_engine_ext.attention(q, q, q))()
+            return path
+        except RuntimeError as err:
+            if "cannot run" not in str(err):
+                raise
+        finally:
+            os.environ.pop(PATH_ENV, None)
+    return "simt"
 
 
 def sdpa_backends(device: str) -> list[tuple[str, object]]:
@@ -128,13 +165,21 @@ def main() -> int:
         decodes = [(1, 32768), (4, 16384), (8, 8192), (16, 4096), (64, 1024), (64, 4096), (64, 16384)]
     dtype = torch.bfloat16
 
-    info, out, copy_bw = start_run("attention", args)
+    # The GPU kernels come in paths: ours is the default one, and where the GPU runs a tensor-core
+    # path, ours on FORCED_PATH is timed too.
+    path = default_path(d, dtype) if device == "cuda" else None
+    time_forced = path in ("sm90", "sm80")
+    forced, forced_label = f"rl_engine_ext_{FORCED_PATH}", f"ours_{FORCED_PATH}"
+    info, out, copy_bw = start_run("attention", args, f" | ours = default attention path {path}" if path else "")
+    if path is not None:
+        out.add("attention", "rl_engine_ext", f"D{d}", "bf16", "default_path", path, 1)
     print(ABBA_LEGEND)
     gen = torch.Generator().manual_seed(0)
-    best = {}  # (mode, key) -> (reference name, PairTiming, shape)
+    best = {}  # (mode, key) -> (fastest reference, shape, [(provider, label, PairTiming against it)])
 
     def record(mode, key, shape, ours_fn, q, k, v, causal, run, flops=None, kv_bytes=None):
-        """Ours against every reference that runs the shape; run(fn, k, v) -> the timed callable."""
+        """Ours against every reference that runs the shape, then (time_forced) ours on FORCED_PATH
+        against ours and against the fastest reference; run(fn, k, v) -> the timed callable."""
         def per_side(t):
             if flops is not None:
                 return [("TFLOPs", flops / (t.median_us * 1e-6) / 1e12, "TFLOP/s")]
@@ -145,6 +190,17 @@ def main() -> int:
             return (f"{flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s" if flops is not None
                     else f"K/V {kv_bytes / (us * 1e-6) / 1e12:.2f} TB/s ({kv_bytes / (us * 1e-6) / copy_bw:.2f} of copy)")
 
+        def time_pair(a, a_provider, a_label, b, b_provider, b_label):
+            pair = bench_abba(a, b, device=device, rep_ms=rep_ms)
+            out.add_pair("attention", shape, "bf16", mode, pair, ours=a_provider, reference=b_provider,
+                         ratio_metric=f"ratio_vs_{b_provider}", per_side=per_side)
+            print(f"{mode:>8} {shape:>24} {a_label} {pair.ours.median_us:10.1f} us ({rate(pair.ours.median_us)})  "
+                  f"{b_label:>14} {pair.reference.median_us:10.1f} us ({rate(pair.reference.median_us)})  "
+                  f"ratio {pair.ratio:.3f} (pairs {pair.pairs})", flush=True)
+            return pair
+
+        ours = on_path(None, ours_fn)
+        fastest = None  # (name, PairTiming, timed callable) of the fastest reference
         for name, backend in sdpa_backends(device):
             variant = sdpa_variant(q, k, v, causal, backend)
             if variant is None:
@@ -158,18 +214,22 @@ def main() -> int:
                 print(f"{mode:>8} {shape:>24} {name}: cannot run this shape ({str(err).splitlines()[0]}), left out",
                       flush=True)
                 continue
-            pair = bench_abba(ours_fn, timed, device=device, rep_ms=rep_ms)
-            out.add_pair("attention", shape, "bf16", mode, pair, reference=name, ratio_metric=f"ratio_vs_{name}",
-                         per_side=per_side)
-            print(f"{mode:>8} {shape:>24} ours {pair.ours.median_us:10.1f} us ({rate(pair.ours.median_us)})  "
-                  f"{name:>14} {pair.reference.median_us:10.1f} us ({rate(pair.reference.median_us)})  "
-                  f"ratio {pair.ratio:.3f} (pairs {pair.pairs})", flush=True)
-            if (mode, key) not in best or pair.reference.median_us < best[(mode, key)][1].reference.median_us:
-                best[(mode, key)] = (name, pair, shape)
-        if (mode, key) in best:
-            name, pair, _ = best[(mode, key)]
+            pair = time_pair(ours, "rl_engine_ext", "ours", timed, name, name)
+            if fastest is None or pair.reference.median_us < fastest[1].reference.median_us:
+                fastest = (name, pair, timed)
+        ours_forced = on_path(FORCED_PATH, ours_fn)
+        if time_forced:
+            time_pair(ours, "rl_engine_ext", "ours", ours_forced, forced, forced_label)
+        if fastest is None:
+            return
+        name, pair, timed = fastest
+        judged = [("rl_engine_ext", "ours", pair)]
+        if time_forced:
+            judged.append((forced, forced_label, time_pair(ours_forced, forced, forced_label, timed, name, name)))
+        best[(mode, key)] = (name, shape, judged)
+        for provider, _, pair in judged:
             for suffix, value in (("", pair.ratio), ("_pair1", pair.pair1), ("_pair2", pair.pair2)):
-                out.add("attention", "rl_engine_ext", shape, "bf16", mode, f"ratio_vs_best{suffix}", value)
+                out.add("attention", provider, shape, "bf16", mode, f"ratio_vs_best{suffix}", value)
 
     for s in seqs:
         q = torch.randn(batch, HQ, s, d, generator=gen).to(device=device, dtype=dtype)
@@ -224,11 +284,18 @@ def main() -> int:
     png = out.path.replace(".csv", ".png")
     plot(out.rows, png, f"attention on {info['gpu']} (torch {info['torch']}, CUDA {info['cuda']}), bf16, causal", copy_bw / 1e12)
     print(f"# wrote {out.path} and {png}")
-    print("# targets (bf16; ratio = the fastest reference's time / ours, that pair's A-B-B-A ratio)")
-    for (mode, key), (name, pair, shape) in best.items():
+    legend = "ratio = the fastest reference's time / ours, that pair's A-B-B-A ratio"
+    if path is not None:
+        legend += f"; ours: the default path, {path} here"
+    if time_forced:
+        legend += f"; {forced_label}: {PATH_ENV}={FORCED_PATH}"
+    print(f"# targets (bf16; {legend})")
+    for (mode, key), (name, shape, judged) in best.items():
         target = None if args.quick else DECODE_TARGETS.get(key) if mode == "decode" else PREFILL_TARGETS.get((mode, key))
-        label = f"{verdict(pair.ratio >= target)} (>= {target:.2f})" if target is not None else "(no target)"
-        print(f"{mode:>8} {shape:>24} vs best {name:>14}: {pair.ratio:.3f} (pairs {pair.pairs}) {label}")
+        for _, label, pair in judged:
+            result = f"{verdict(pair.ratio >= target)} (>= {target:.2f})" if target is not None else "(no target)"
+            print(f"{mode:>8} {shape:>24} {label:>9} vs best {name:>14}: {pair.ratio:.3f} (pairs {pair.pairs}) "
+                  f"{result}")
     return 0
 
 

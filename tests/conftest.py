@@ -59,7 +59,18 @@ def pytest_configure(config):
         config.addinivalue_line("markers", marker)
 
 
+def _float32_on_a_forced_path(item) -> bool:
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return str(params.get("device", "")).startswith("cuda/") and params.get("dtype") == torch.float32
+
+
 def pytest_collection_modifyitems(config, items):
+    # A forced path (device_with_forced_paths) is a tensor-core path: it runs bf16 and fp16 only, and
+    # float32 takes the FMA kernels whatever is forced elsewhere; those runs are not collected.
+    forced_float32 = [item for item in items if _float32_on_a_forced_path(item)]
+    if forced_float32:
+        config.hook.pytest_deselected(items=forced_float32)
+        items[:] = [item for item in items if not _float32_on_a_forced_path(item)]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device")
@@ -71,6 +82,24 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+def device_with_forced_paths(env_var: str, paths: tuple[str, ...]):
+    """A `device` fixture for a test module (assign it to `device` there) whose GPU kernels come in
+    several paths: params cpu, cuda (the default path) and one cuda-<path> per forced path, where
+    env_var=<path> is set for the test; its value is the torch device, "cpu" or "cuda". float32
+    runs are not collected on a forced path (pytest_collection_modifyitems); a test that picks
+    float32 or a head_dim the forced paths cannot run parametrizes `device` over DEVICES itself."""
+    forced = [pytest.param(f"cuda/{path}", marks=pytest.mark.cuda, id=f"cuda-{path}") for path in paths]
+
+    @pytest.fixture(params=DEVICES + forced)
+    def device(request, monkeypatch) -> str:
+        torch_device, _, path = request.param.partition("/")
+        if path:
+            monkeypatch.setenv(env_var, path)
+        return torch_device
+
+    return device
 
 
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))

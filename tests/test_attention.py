@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -14,7 +15,21 @@ import rl_engine_ext
 from rl_engine_ext import contract, testing
 from rl_engine_ext.ops import attention as attn
 
-from conftest import assert_device_assert, capture_cuda_graph, make_generator, randn
+from conftest import DEVICES, assert_device_assert, capture_cuda_graph, device_with_forced_paths, make_generator, randn
+
+PATH_ENV = "RL_ENGINE_EXT_ATTENTION_PATH"
+# The default path on an H100 (bf16/fp16, head_dim 64/128) is sm90; every test that crosses the
+# decode/prefill configuration switch also runs with sm80 forced (on an A100 both are sm80).
+FORCED_PATHS = ("sm80",)
+device = device_with_forced_paths(PATH_ENV, FORCED_PATHS)
+
+
+@pytest.fixture(params=("default",) + FORCED_PATHS)
+def gpu_path(request, monkeypatch) -> None:
+    """The attention path of a CUDA-only test: the default one, then each forced one."""
+    if request.param != "default":
+        monkeypatch.setenv(PATH_ENV, request.param)
+
 
 def _config(device: str, dtype: torch.dtype):
     """(Hq, Hkv, D, sequence lengths) per device: lengths on both sides of the 64-key block and
@@ -331,6 +346,7 @@ def test_packed_without_host_validation(device, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("gpu_path")
 def test_packed_step_captured_in_a_cuda_graph():
     """attention_varlen(validate=False) forward and backward capture in a CUDA graph and, replayed
     with other sequence boundaries copied into the same cu_seqlens, give the eager bits."""
@@ -378,6 +394,7 @@ def test_bad_cu_seqlens_without_validation_is_a_device_assert(bounds, max_seqlen
     # a chunk of new tokens: the exact-recompute relaunch reads the status word the kernel resets
     (2, 4500, ([2, 2049, 4500], [4097, 3, 2048], [64, 4096, 2050])),
 ])
+@pytest.mark.usefixtures("gpu_path")
 def test_decode_step_captured_in_a_cuda_graph(n, s_max, replays):
     """A decode step with validate=False captures in a CUDA graph (no host synchronisation) and,
     replayed with other lengths copied into the same cache_seqlens tensor, gives the eager bits."""
@@ -470,6 +487,7 @@ def _gqa_cases(device):
 
 @pytest.mark.parametrize("case", range(3))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("device", DEVICES)  # not on a forced path: case 2 (head_dim 80) runs on the FMA kernels only
 def test_accuracy_vs_fp32(device, dtype, case, causal):
     hq, hkv, d, s = _gqa_cases(device)[case]
     b = 2
@@ -494,6 +512,7 @@ def test_accuracy_vs_fp32(device, dtype, case, causal):
                                    msg=lambda m, name=name: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)  # float32: not on a forced path
 def test_scale_argument(device):
     hq, hkv, d, _ = _config(device, torch.float32)
     q, k, v = (randn(1, h, 20, d, dtype=torch.float32, device=device, seed=i) for i, h in enumerate((hq, hkv, hkv)))
@@ -507,17 +526,51 @@ def test_scale_argument(device):
 # ------------------------------------------------------------------------------------------
 
 
+tensor_core_dtypes = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+# Packed lengths on both sides of the 64-key blocks, the query tiles and the KV splits (2048, 4096).
+PATH_LENGTHS = [1, 63, 64, 65, 127, 129, 300, 2047, 2049, 4100]
+
+
+def _on_hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def _default_and_sm80(monkeypatch, run):
+    """run()'s results on the default path, then with sm80 forced."""
+    monkeypatch.delenv(PATH_ENV, raising=False)
+    default = run()
+    monkeypatch.setenv(PATH_ENV, "sm80")
+    return default, run()
+
+
+def _cuda_kernels(run) -> set[str]:
+    """The names of the CUDA kernels run() launches (run once before, unprofiled: one-time setup
+    stays out)."""
+    run()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["sm80", "simt"])
+@pytest.mark.parametrize("path", ["sm90", "sm80", "simt"])
 def test_each_gpu_path(monkeypatch, path):
+    """Each family forced: packed out and gradients equal each sequence's batch-of-one run, decode
+    equals prefill, out is within the contract of the fp32 truth. sm90 runs on compute capability
+    9.0 only: anywhere else forcing it is an error."""
     major, _ = torch.cuda.get_device_capability()
     if path == "sm80" and major < 8:
         pytest.fail("the sm80 path needs compute capability >= 8.0")
-    monkeypatch.setenv("RL_ENGINE_EXT_ATTENTION_PATH", path)
+    monkeypatch.setenv(PATH_ENV, path)
     hq, hkv, d, lengths = 8, 2, 128, [1, 65, 130]
     seqs = _sequences(lengths, hq, hkv, d, torch.bfloat16, "cuda")
-    alone = _alone(seqs)
     (q, k, v, dout), cu = _packed(seqs, "cuda")
+    if path == "sm90" and not _on_hopper():
+        with pytest.raises(RuntimeError, match=rf"{PATH_ENV}=sm90.*cannot run"):
+            rl_engine_ext.attention_varlen(q, k, v, cu)
+        return
+    alone = _alone(seqs)
     out, lse, grads = _run_varlen(q, k, v, dout, cu)
     k_cache, v_cache = _cache(seqs, 140)
     for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -534,16 +587,113 @@ def test_each_gpu_path(monkeypatch, path):
 
 
 @pytest.mark.cuda
+def test_default_path_is_sm90_on_hopper_else_sm80(monkeypatch):
+    """bf16 head_dim 128 by default launches kernels that forced sm80 does not on compute
+    capability 9.0 (the sm90 ones), and the same kernels elsewhere: the comparisons of the default
+    path with forced sm80 below do not compare sm80 with itself on an H100."""
+    seqs = _sequences([70, 300], 8, 2, 128, torch.bfloat16, "cuda")
+    (q, k, v, dout), cu = _packed(seqs, "cuda")
+    default, sm80 = _default_and_sm80(monkeypatch, lambda: _cuda_kernels(lambda: _run_varlen(q, k, v, dout, cu)))
+    if _on_hopper():
+        assert default - sm80, f"the default path launched only sm80's kernels: {sorted(default)}"
+    else:
+        assert default == sm80, f"default {sorted(default)} != sm80 {sorted(sm80)}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@tensor_core_dtypes
+def test_default_path_gives_the_sm80_bits_packed(monkeypatch, dtype, head_dim, causal):
+    """Packed PATH_LENGTHS: out, lse, dq, dk and dv of the default path (sm90 on an H100, sm80
+    elsewhere) equal those of forced sm80 bit for bit."""
+    seqs = _sequences(PATH_LENGTHS, 8, 2, head_dim, dtype, "cuda")
+    (q, k, v, dout), cu = _packed(seqs, "cuda")
+    default, sm80 = _default_and_sm80(monkeypatch, lambda: _run_varlen(q, k, v, dout, cu, causal))
+    for name, got, want in zip(("out", "lse"), default[:2], sm80[:2]):
+        _assert_equal(got, want, f"default path vs sm80: {name}")
+    for name, got, want in zip("qkv", default[2], sm80[2]):
+        _assert_equal(got, want, f"default path vs sm80: d{name}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [1, 7], ids=["decode", "chunk7"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@tensor_core_dtypes
+def test_default_path_gives_the_sm80_bits_from_a_kv_cache(monkeypatch, dtype, head_dim, n):
+    """n new tokens of sequences whose caches hold PATH_LENGTHS keys (the length-1 one starts
+    inside a chunk): out and lse of the default path equal those of forced sm80 bit for bit."""
+    batch, hq, hkv = len(PATH_LENGTHS), 8, 2
+    q = randn(batch, hq, n, head_dim, dtype=dtype, device="cuda", seed=1)
+    k_cache, v_cache = (randn(batch, hkv, max(PATH_LENGTHS), head_dim, dtype=dtype, device="cuda", seed=s)
+                        for s in (2, 3))
+    lens = torch.tensor(PATH_LENGTHS, device="cuda")
+    default, sm80 = _default_and_sm80(
+        monkeypatch, lambda: rl_engine_ext.attention_kvcache(q, k_cache, v_cache, lens, return_lse=True))
+    _assert_equal(default[0], sm80[0], "default path vs sm80: out")
+    _assert_equal(default[1], sm80[1], "default path vs sm80: lse")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 128), (torch.bfloat16, 96)],
+                         ids=["float32", "head_dim96"])
+def test_forcing_sm90_where_it_cannot_run_is_an_error(monkeypatch, dtype, head_dim):
+    """sm90 runs bf16 and fp16 with head_dim 64 or 128 on compute capability 9.0: anything else
+    forced onto it is an error naming what it cannot run, never a fallback."""
+    monkeypatch.setenv(PATH_ENV, "sm90")
+    q = torch.zeros(1, 4, 8, head_dim, dtype=dtype, device="cuda")
+    cannot_run = rf"{PATH_ENV}=sm90 cannot run {re.escape(str(dtype))} with head_dim {head_dim}"
+    with pytest.raises(RuntimeError, match=cannot_run):
+        rl_engine_ext.attention(q, q, q)
+
+
+@pytest.mark.cuda
 def test_unknown_gpu_path_is_an_error(monkeypatch):
-    monkeypatch.setenv("RL_ENGINE_EXT_ATTENTION_PATH", "flash")
+    monkeypatch.setenv(PATH_ENV, "flash")
     q = torch.randn(1, 2, 4, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="RL_ENGINE_EXT_ATTENTION_PATH"):
+    with pytest.raises(ValueError, match=PATH_ENV):
         rl_engine_ext.attention(q, q, q)
 
 
 # ------------------------------------------------------------------------------------------
 # Odd and empty shapes, bad input
 # ------------------------------------------------------------------------------------------
+
+
+# Padded-batch storage orders, as permutations of a [B, H, S, D] view: "bhsd" contiguous, "bshd"
+# (Hugging Face's q.transpose(1, 2)), "sbhd" (batch rows inside the token dimension: the sm90 path's
+# tensor maps cannot address sequences there, and that path runs the sm80 kernels).
+_STORAGE = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
+
+
+def _stored(t: torch.Tensor, order: str) -> torch.Tensor:
+    """t [B, H, S, D] with the same values, held in `order`'s storage and viewed as [B, H, S, D]."""
+    perm = _STORAGE[order]
+    return t.permute(perm).contiguous().permute([perm.index(i) for i in range(4)])
+
+
+@pytest.mark.parametrize("order", list(_STORAGE))
+@pytest.mark.parametrize("shape", [(3, 8, 2, 70), (3, 8, 2, 1), (2, 4, 1, 130)], ids=["s70", "s1", "hkv1"])
+def test_storage_order_changes_no_bit(device, order, shape):
+    """Every storage order (and a length-1 sequence, one kv head: dimensions whose strides tie) gives
+    the contiguous batch's bits, forward and gradients, padded and in a KV-cache decode."""
+    b, hq, hkv, s = shape
+    d, dt = 64 if device == "cpu" else 128, torch.bfloat16
+    q, k, v, dout = (randn(b, h, s, d, dtype=dt, device=device, seed=i) for i, h in enumerate((hq, hkv, hkv, hq)))
+    mask = torch.ones(b, s, dtype=torch.bool, device=device)
+    mask[0, : s // 2] = False  # left padding in the first row
+
+    def run(layout: str):
+        leaves = [_stored(x, layout).requires_grad_(True) for x in (q, k, v)]
+        out, lse = rl_engine_ext.attention(*leaves, mask, return_lse=True)
+        out.backward(_stored(dout, layout))
+        dec = rl_engine_ext.attention_kvcache(_stored(q[:, :, -1:], layout), *leaves[1:],
+                                              mask.sum(1), validate=False)
+        return [out, lse, dec] + [x.grad for x in leaves]
+
+    want = run("bhsd")
+    for name, g, w in zip(("out", "lse", "decode", "dq", "dk", "dv"), run(order), want):
+        _assert_equal(g, w, f"{order} {shape} {name}")
 
 
 def test_empty_shapes(device):
@@ -573,6 +723,7 @@ def test_empty_shapes(device):
     assert out.shape == (1, 2, 0, 64)
 
 
+@pytest.mark.parametrize("device", DEVICES)  # float32: not on a forced path
 def test_references_match_native_within_contract(device):
     """The references (the kernels of the no-native fallback), forward and backward, padded with
     a mask and packed, agree with the native ops within the fp32 contract."""

@@ -7,6 +7,7 @@ The rules: csrc/common/attention_problem.h."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -15,13 +16,17 @@ import rl_engine_ext
 from rl_engine_ext import contract
 from rl_engine_ext.ops import attention as attn
 
-from conftest import randn
-from test_attention import _alone, _assert_equal, _cache, _check_padded, _packed, _padded, _run_varlen, _sequences
+from conftest import DEVICES, device_with_forced_paths, randn
+from test_attention import (
+    FORCED_PATHS, PATH_ENV, _alone, _assert_equal, _cache, _check_padded, _packed, _padded, _run_varlen, _sequences,
+)
 
 SPLIT = rl_engine_ext.ATTENTION_KV_SPLIT
 BLOCK = rl_engine_ext.ATTENTION_KV_BLOCK
 # Below, at and above the first two split boundaries (4097 reaches split 2).
 LENGTHS = [SPLIT - 1, SPLIT, SPLIT + 1, SPLIT + 52, 2 * SPLIT + 1]
+
+device = device_with_forced_paths(PATH_ENV, FORCED_PATHS)
 
 
 def _heads(device: str):
@@ -30,9 +35,14 @@ def _heads(device: str):
     return (32, 8, 128) if device == "cuda" else (4, 2, 64)
 
 
-@functools.lru_cache(maxsize=1)
 def _long_case(device: str, dtype: torch.dtype):
-    """The LENGTHS sequences, each one's prefill alone (out, lse), and the KV cache holding them."""
+    """The LENGTHS sequences, each one's prefill alone (out, lse) on the attention path in force,
+    and the KV cache holding them."""
+    return _long_case_on_path(device, dtype, os.environ.get(PATH_ENV))
+
+
+@functools.lru_cache(maxsize=1)
+def _long_case_on_path(device: str, dtype: torch.dtype, path: str | None):
     seqs = _sequences(LENGTHS, *_heads(device), dtype, device, seed=77)
     return seqs, _alone(seqs, grad=False), _cache(seqs, max(LENGTHS))
 
@@ -115,6 +125,7 @@ def test_packed_and_padded_across_a_split_equal_alone(device, dtype, causal):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)  # float32: not on a forced path
 def test_split_boundary_is_counted_from_the_sequence_start(device):
     """One leading block of keys that no real query weighs (their probabilities underflow to exact
     zeros) changes no bit of a single recurrence, only where the split boundary falls in the
