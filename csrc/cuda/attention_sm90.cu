@@ -46,7 +46,7 @@ struct Sm90FwdConfig {
   static constexpr int STAGES = STAGES_;
   static constexpr bool PINGPONG = PINGPONG_ && CONSUMERS_ == 2;
   static constexpr int MIN_BLOCKS = MIN_BLOCKS_;
-  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int PRODUCER_REGS = 56;
   // 65536 / MIN_BLOCKS registers per CTA, less the producer's, over the consumer threads (a
   // multiple of 8).
   static constexpr int CONSUMER_REGS =
@@ -61,7 +61,8 @@ struct Sm90FwdConfig {
   static constexpr int Q_BYTES = CONSUMERS * D_BOXES * kBoxBytes;
   static constexpr int KV_TILE_BYTES = D_BOXES * kBoxBytes;
   static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K then V
-  static constexpr int BARRIERS = 3 * STAGES + 1;        // k_full, v_full, kv_empty, v_tail
+  // k_full, v_full, kv_empty per stage, v_tail; q_full, q_empty per consumer
+  static constexpr int BARRIERS = 3 * STAGES + 1 + 2 * CONSUMERS;
   // Slack to align the tiles to 1024 bytes; none where two CTAs must fit an SM (228 KB less 1 KB
   // reserved per CTA): the kernel then traps if the dynamic shared memory is not so aligned.
   static constexpr int ALIGN_SLACK = MIN_BLOCKS_ > 1 ? 0 : 1024;
@@ -138,6 +139,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   uint64_t* v_full = k_full + STAGES;
   uint64_t* kv_empty = v_full + STAGES;
   uint64_t* v_tail = kv_empty + STAGES;
+  uint64_t* q_full = v_tail + 1;
+  uint64_t* q_empty = q_full + Cfg::CONSUMERS;
   // EXACT: a 1024-aligned scratch of D_BOXES x 16 value rows per consumer, after the barriers.
   uint8_t* cut_scratch = ring + STAGES * Cfg::STAGE_BYTES + 1024;
   auto k_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
@@ -150,6 +153,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       mbar_init(&kv_empty[s], Cfg::CONSUMERS);
     }
     mbar_init(v_tail, 1);
+    for (int c = 0; c < Cfg::CONSUMERS; ++c) {
+      mbar_init(&q_full[c], 1);
+      mbar_init(&q_empty[c], 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -158,39 +165,87 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   // code they guard is not a divergent path (which would serialize the wgmma pipeline, C7520).
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  // The blocks of a tile: [b_begin, b_end) of the CTA's last row's [0, num_blocks); one split's.
-  auto block_range = [&](int split, int num_blocks, int& b_begin, int& b_end) {
-    b_begin = split * kSplitBlocks;
-    b_end = PER_SPLIT && b_begin + kSplitBlocks < num_blocks ? b_begin + kSplitBlocks : num_blocks;
+  // What tile `tile` of the order holds, the same for every role: its sequence, kv head, split,
+  // rows [row0, row0 + BLOCK_M) of the sequence's q_len * G, and its blocks [b_begin, b_end) (of
+  // the CTA's last row's [0, num_blocks); one split's). Empty: no row, or no row reaching the split.
+  struct Tile {
+    AttentionSeq sq;
+    int kv_head, split, q_len, kv_len, rows, first_pos, row0, b_begin, b_end;
+  };
+  auto resolve = [&](int64_t tile, Tile& w_) -> bool {
+    int visit_raw, y_raw;
+    int64_t s;
+    order.decode(tile, visit_raw, s, y_raw);
+    const int visit = uniform(visit_raw), y = uniform(y_raw);
+    w_.kv_head = PER_SPLIT ? y % static_cast<int>(p.heads_kv) : y;
+    w_.split = PER_SPLIT ? y / static_cast<int>(p.heads_kv) : 0;
+    w_.sq = attention_seq(p, s);
+    w_.q_len = uniform(static_cast<int>(w_.sq.q_len));
+    w_.kv_len = uniform(static_cast<int>(w_.sq.kv_len));
+    w_.rows = w_.q_len * group;
+    const int tiles = (w_.rows + BLOCK_M - 1) / BLOCK_M;
+    if (visit >= tiles) return false;  // also q_len = 0
+    w_.first_pos = w_.kv_len - w_.q_len;
+    w_.row0 = (tiles - 1 - visit) * BLOCK_M;
+    const int last_pos = w_.first_pos + ((w_.row0 + BLOCK_M < w_.rows ? w_.row0 + BLOCK_M : w_.rows) - 1) / group;
+    const int num_blocks = p.causal ? last_pos / kKvBlock + 1 : (w_.kv_len + kKvBlock - 1) / kKvBlock;
+    w_.b_begin = w_.split * kSplitBlocks;
+    w_.b_end = PER_SPLIT && w_.b_begin + kSplitBlocks < num_blocks ? w_.b_begin + kSplitBlocks : num_blocks;
+    return w_.b_begin < w_.b_end;
   };
 
   if (warpgroup == 0) {
-    // ---------------------------------------------------------------- producer (warp 0)
+    // ------------------------------------------------------------------------ producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Cfg::PRODUCER_REGS));
-    if (threadIdx.x >= 32) return;
-    const int lane = static_cast<int>(threadIdx.x);
+    const int producer_warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    Tile w_;
+    if (producer_warp >= 1 && producer_warp <= Cfg::CONSUMERS) {
+      // ---------------------------------------------------------- Q loader of consumer (warp - 1)
+      // Q of consumer c's 64 rows (row r = query r / G, head r % G of the group), written in the
+      // layout a 128-byte-swizzle TMA box has (rows past q_len * G: zeros), for the next tile
+      // while the consumer finishes this one (its last P V, its epilogue).
+      const int c = producer_warp - 1;
+      uint8_t* c_q = q_smem + c * Cfg::D_BOXES * kBoxBytes;
+      const T* q = static_cast<const T*>(p.q);
+      const uint32_t c_q_addr = smem_addr(c_q);
+      uint32_t q_phase = 0;
+      for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
+        if (!resolve(tile, w_) || w_.row0 + c * kConsumerRows >= w_.rows) continue;
+        const int c_row0 = w_.row0 + c * kConsumerRows;
+        mbar_wait(&q_empty[c], q_phase ^ 1);
+        // cp.async (no registers hold the data; rows past q_len * G zero-filled), then visible to
+        // the async proxy (wgmma) before the arrive.
+        constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+#pragma unroll 4
+        for (int i = lane; i < kConsumerRows * CHUNKS; i += 32) {
+          const int r = i / CHUNKS, ch = i % CHUNKS;
+          const int row = c_row0 + r;
+          const int64_t qi = row / group, h = static_cast<int64_t>(w_.kv_head) * group + row % group;
+          const bool in_range = row < w_.rows;
+          cp_async_16_zfill(c_q_addr + (ch / 8) * kBoxBytes + r * 128 + (((ch % 8) ^ (r % 8)) * 16),
+                            in_range ? q + w_.sq.q_base + qi * p.q_stride_token + h * p.q_stride_head + ch * 8 : q,
+                            in_range ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&q_full[c]);
+        q_phase ^= 1;
+      }
+      return;
+    }
+    if (producer_warp != 0) return;
+    // ------------------------------------------------------------------- K/V producer (warp 0)
     int stage = 0;
     uint32_t phase = 0, tail_phase = 0;
     for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
-      int visit, y;
-      int64_t s;
-      order.decode(tile, visit, s, y);
-      const int kv_head = PER_SPLIT ? y % static_cast<int>(p.heads_kv) : y;
-      const int split = PER_SPLIT ? y / static_cast<int>(p.heads_kv) : 0;
-      const AttentionSeq sq = attention_seq(p, s);
-      const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
-      const int rows = q_len * group, tiles = (rows + BLOCK_M - 1) / BLOCK_M;
-      if (visit >= tiles) continue;  // also q_len = 0
-      const int first_pos = kv_len - q_len;
+      if (!resolve(tile, w_)) continue;
+      const int kv_len = w_.kv_len;
       int kv_c1, kv_c2;  // the map coordinates of the sequence's key 0 of this kv head
-      kv_at.coords(sq.kv_base, kv_head, 0, kv_c1, kv_c2);
+      kv_at.coords(w_.sq.kv_base, w_.kv_head, 0, kv_c1, kv_c2);
       {
-        const int row0 = (tiles - 1 - visit) * BLOCK_M;
-        const int last_pos = first_pos + ((row0 + BLOCK_M < rows ? row0 + BLOCK_M : rows) - 1) / group;
-        const int num_blocks = p.causal ? last_pos / kKvBlock + 1 : (kv_len + kKvBlock - 1) / kKvBlock;
-        int b_begin, b_end;
-        block_range(split, num_blocks, b_begin, b_end);
-        for (int b = b_begin; b < b_end; ++b) {
+        for (int b = w_.b_begin; b < w_.b_end; ++b) {
           mbar_wait(&kv_empty[stage], phase ^ 1);
           const int key0 = b * kKvBlock;
           const bool tail = key0 + kKvBlock > kv_len;
@@ -236,7 +291,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   const int consumer = warpgroup - 1;
   const int tid = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const T* __restrict__ q = static_cast<const T*>(p.q);
   T* __restrict__ out = static_cast<T*>(p.out);
   uint8_t* my_q = q_smem + consumer * Cfg::D_BOXES * kBoxBytes;
   const uint32_t my_q_addr = smem_addr(my_q);
@@ -264,25 +318,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     if (tid == 0) mbar_arrive(&kv_empty[s]);
   };
 
+  uint32_t q_phase = 0;
+  Tile w_;
   for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
-    int visit_raw, y_raw;
-    int64_t s;
-    order.decode(tile, visit_raw, s, y_raw);
-    const int visit = uniform(visit_raw), y = uniform(y_raw);
-    const int kv_head = PER_SPLIT ? y % static_cast<int>(p.heads_kv) : y;
-    const int split = PER_SPLIT ? y / static_cast<int>(p.heads_kv) : 0;
-    const AttentionSeq sq = attention_seq(p, s);
-    const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
-    const int rows = q_len * group, tiles = (rows + BLOCK_M - 1) / BLOCK_M;
-    if (visit >= tiles) continue;  // also q_len = 0
-    const int first_pos = kv_len - q_len;
+    if (!resolve(tile, w_)) continue;  // (the producer and the Q loaders skip it too)
+    const AttentionSeq sq = w_.sq;
+    const int kv_head = w_.kv_head, split = w_.split, kv_len = w_.kv_len, rows = w_.rows;
+    const int first_pos = w_.first_pos, row0 = w_.row0, b_begin = w_.b_begin, b_end = w_.b_end;
     {
-      const int row0 = (tiles - 1 - visit) * BLOCK_M;
-      const int cta_last_pos = first_pos + ((row0 + BLOCK_M < rows ? row0 + BLOCK_M : rows) - 1) / group;
-      const int num_blocks = p.causal ? cta_last_pos / kKvBlock + 1 : (kv_len + kKvBlock - 1) / kKvBlock;
-      int b_begin, b_end;
-      block_range(split, num_blocks, b_begin, b_end);
-      if (b_begin >= b_end) continue;  // no row of the tile reaches this split (producer: the same)
       const int my_row0 = row0 + consumer * kConsumerRows;
       const bool active = my_row0 < rows;
       const int my_last_pos = first_pos + ((my_row0 + kConsumerRows < rows ? my_row0 + kConsumerRows : rows) - 1) / group;
@@ -291,25 +334,13 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       int my_end = !active ? b_begin : p.causal ? my_last_pos / kKvBlock + 1 : b_end;
       my_end = my_end < b_begin ? b_begin : my_end > b_end ? b_end : my_end;
 
-      // Q: this warpgroup's 64 rows (row r = query r / G, head r % G of the group), written in the
-      // layout a 128-byte-swizzle TMA box has; rows past q_len * G are zeros (never stored).
-      named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);  // the last tile's wgmmas are done
-      if (active) {
-        constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
-#pragma unroll
-        for (int i = tid; i < kConsumerRows * CHUNKS; i += kWarpgroupThreads) {
-          const int r = i / CHUNKS, c = i % CHUNKS;
-          const int row = my_row0 + r;
-          uint4 val = make_uint4(0, 0, 0, 0);
-          if (row < rows) {
-            const int64_t qi = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
-            val = *reinterpret_cast<const uint4*>(q + sq.q_base + qi * p.q_stride_token + h * p.q_stride_head + c * 8);
-          }
-          *reinterpret_cast<uint4*>(my_q + (c / 8) * kBoxBytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)) = val;
-        }
-        fence_proxy_async();
-      }
-      named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);
+      // Q (the loader's), released once the tile's last S is done.
+      if (active) mbar_wait(&q_full[consumer], q_phase);
+      auto release_q = [&]() {
+        if (!active) return;
+        if (tid == 0) mbar_arrive(&q_empty[consumer]);
+        q_phase ^= 1;
+      };
 
       const int warp_row0 = my_row0 + warp * 16;
       const int warp_first_pos = first_pos + warp_row0 / group;
@@ -495,6 +526,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           release(stage);
           advance();
         }
+        release_q();
       } else if (my_end > b_begin) {
         step_scores_and_pv(false);
         wgmma_wait<0>();
@@ -527,6 +559,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           prev_phase = phase;
           advance();
         }
+        release_q();  // every S of the tile is done
         mbar_wait(&v_full[prev_stage], prev_phase);
         turn_sync();
         wgmma_fence();
@@ -537,6 +570,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         fence_accumulators(acc_flat);
         release(prev_stage);
       } else {
+        release_q();
         turn_sync();  // the turn of the final P V
         turn_pass();
       }
