@@ -1,7 +1,9 @@
 // Hopper (sm_90a) attention forward: a TMA K/V ring feeding wgmma, one producer warpgroup and
 // one or two consumer warpgroups of 64 GQA-packed query rows (row = query * G + head in group, as
-// the sm80 kernels pack them). S = Q K^T is a wgmma SS (Q written by the consumers into the
-// swizzled layout, K by TMA); O += P V a wgmma RS (P from the S accumulators).
+// the sm80 kernels pack them). The producer's warp 0 issues the K/V loads; its warps 1..CONSUMERS
+// gather each consumer's Q (any layout, cp.async into the swizzled layout) for the next tile while
+// the consumer finishes the current one. S = Q K^T is a wgmma SS; O += P V a wgmma RS (P from the
+// S accumulators).
 //
 // Arithmetic: the sm80 forward's, step for step (attention_sm80.cu header; the block recurrence
 // and the split merge are attention_recurrence.cuh's functions, called on the wgmma accumulators,
