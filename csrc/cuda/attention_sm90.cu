@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
-      mbar_init(&kv_empty[s], Cfg::CONSUMERS);
+      mbar_init(&kv_empty[s], Cfg::CONSUMERS * kStageReleaseArrivals<EXACT>);
     }
     mbar_init(v_tail, 1);
     for (int c = 0; c < Cfg::CONSUMERS; ++c) {
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     }
   };
   auto release = [&](int s) {
-    if (tid == 0) mbar_arrive(&kv_empty[s]);
+    if (EXACT || tid == 0) mbar_arrive(&kv_empty[s]);
   };
 
   uint32_t q_phase = 0;

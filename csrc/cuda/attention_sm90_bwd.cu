@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], Cfg::CONSUMERS);
+      mbar_init(&empty[s], Cfg::CONSUMERS * kStageReleaseArrivals<EXACT>);
     }
     mbar_init(kv_ready, 1);
     mbar_init(tail, 1);
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             fence_accumulators(dk_flat);
           }
         }
-        if (tid == 0) mbar_arrive(&empty[stage]);
+        if (EXACT || tid == 0) mbar_arrive(&empty[stage]);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], Cfg::CONSUMERS);
+      mbar_init(&empty[s], Cfg::CONSUMERS * kStageReleaseArrivals<EXACT>);
     }
     mbar_init(tail, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -615,7 +615,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             fence_accumulators(dq_flat);
           }
         }
-        if (tid == 0) mbar_arrive(&empty[stage]);
+        if (EXACT || tid == 0) mbar_arrive(&empty[stage]);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;

@@ -28,6 +28,14 @@ static_assert(kBoxRows == kAttentionKvBlock, "a box holds one KV block");
 // The exact kernels' scratch for one k16 chunk of one box (rs_product_by_cuts).
 constexpr int kCutBoxBytes = 16 * kSwizzleRowBytes;
 
+// Arrivals per consumer warpgroup on a ring stage's "empty" barrier. The EXACT kernels also read
+// ring rows with ordinary loads (rs_product_by_cuts): there every thread arrives after its own
+// reads, so each read is ordered before the producer's next writes to the stage by the reading
+// thread's own release (the order compute-sanitizer's racecheck follows). The fast kernels read
+// the ring through wgmma only: one arrive after the warpgroup's wait.
+template <bool EXACT>
+constexpr int kStageReleaseArrivals = EXACT ? kWarpgroupThreads : 1;
+
 // How a dense operand [.., tokens, heads, d] (token-major: packed, or a batch stored so) or
 // [.., heads, tokens, d] (head-major: a padded batch, the KV cache) is read through a 3-D tensor
 // map in boxes of 64 tokens x 64 elements of d:
