@@ -174,33 +174,33 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     AttentionSeq sq;
     int kv_head, split, q_len, kv_len, rows, first_pos, row0, b_begin, b_end;
   };
-  auto resolve = [&](int64_t tile, Tile& w_) -> bool {
+  auto resolve = [&](int64_t tile, Tile& job) -> bool {
     int visit_raw, y_raw;
     int64_t s;
     order.decode(tile, visit_raw, s, y_raw);
     const int visit = uniform(visit_raw), y = uniform(y_raw);
-    w_.kv_head = PER_SPLIT ? y % static_cast<int>(p.heads_kv) : y;
-    w_.split = PER_SPLIT ? y / static_cast<int>(p.heads_kv) : 0;
-    w_.sq = attention_seq(p, s);
-    w_.q_len = uniform(static_cast<int>(w_.sq.q_len));
-    w_.kv_len = uniform(static_cast<int>(w_.sq.kv_len));
-    w_.rows = w_.q_len * group;
-    const int tiles = (w_.rows + BLOCK_M - 1) / BLOCK_M;
+    job.kv_head = PER_SPLIT ? y % static_cast<int>(p.heads_kv) : y;
+    job.split = PER_SPLIT ? y / static_cast<int>(p.heads_kv) : 0;
+    job.sq = attention_seq(p, s);
+    job.q_len = uniform(static_cast<int>(job.sq.q_len));
+    job.kv_len = uniform(static_cast<int>(job.sq.kv_len));
+    job.rows = job.q_len * group;
+    const int tiles = (job.rows + BLOCK_M - 1) / BLOCK_M;
     if (visit >= tiles) return false;  // also q_len = 0
-    w_.first_pos = w_.kv_len - w_.q_len;
-    w_.row0 = (tiles - 1 - visit) * BLOCK_M;
-    const int last_pos = w_.first_pos + ((w_.row0 + BLOCK_M < w_.rows ? w_.row0 + BLOCK_M : w_.rows) - 1) / group;
-    const int num_blocks = p.causal ? last_pos / kKvBlock + 1 : (w_.kv_len + kKvBlock - 1) / kKvBlock;
-    w_.b_begin = w_.split * kSplitBlocks;
-    w_.b_end = PER_SPLIT && w_.b_begin + kSplitBlocks < num_blocks ? w_.b_begin + kSplitBlocks : num_blocks;
-    return w_.b_begin < w_.b_end;
+    job.first_pos = job.kv_len - job.q_len;
+    job.row0 = (tiles - 1 - visit) * BLOCK_M;
+    const int last_pos = job.first_pos + ((job.row0 + BLOCK_M < job.rows ? job.row0 + BLOCK_M : job.rows) - 1) / group;
+    const int num_blocks = p.causal ? last_pos / kKvBlock + 1 : (job.kv_len + kKvBlock - 1) / kKvBlock;
+    job.b_begin = job.split * kSplitBlocks;
+    job.b_end = PER_SPLIT && job.b_begin + kSplitBlocks < num_blocks ? job.b_begin + kSplitBlocks : num_blocks;
+    return job.b_begin < job.b_end;
   };
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------------ producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Cfg::PRODUCER_REGS));
     const int producer_warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-    Tile w_;
+    Tile job;
     if (producer_warp >= 1 && producer_warp <= Cfg::CONSUMERS) {
       // ---------------------------------------------------------- Q loader of consumer (warp - 1)
       // Q of consumer c's 64 rows (row r = query r / G, head r % G of the group), written in the
@@ -212,8 +212,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       const uint32_t c_q_addr = smem_addr(c_q);
       uint32_t q_phase = 0;
       for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
-        if (!resolve(tile, w_) || w_.row0 + c * kConsumerRows >= w_.rows) continue;
-        const int c_row0 = w_.row0 + c * kConsumerRows;
+        if (!resolve(tile, job) || job.row0 + c * kConsumerRows >= job.rows) continue;
+        const int c_row0 = job.row0 + c * kConsumerRows;
         mbar_wait(&q_empty[c], q_phase ^ 1);
         // cp.async (no registers hold the data; rows past q_len * G zero-filled), then visible to
         // the async proxy (wgmma) before the arrive.
@@ -222,10 +222,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         for (int i = lane; i < kConsumerRows * CHUNKS; i += 32) {
           const int r = i / CHUNKS, ch = i % CHUNKS;
           const int row = c_row0 + r;
-          const int64_t qi = row / group, h = static_cast<int64_t>(w_.kv_head) * group + row % group;
-          const bool in_range = row < w_.rows;
+          const int64_t qi = row / group, h = static_cast<int64_t>(job.kv_head) * group + row % group;
+          const bool in_range = row < job.rows;
           cp_async_16_zfill(c_q_addr + (ch / 8) * kBoxBytes + r * 128 + (((ch % 8) ^ (r % 8)) * 16),
-                            in_range ? q + w_.sq.q_base + qi * p.q_stride_token + h * p.q_stride_head + ch * 8 : q,
+                            in_range ? q + job.sq.q_base + qi * p.q_stride_token + h * p.q_stride_head + ch * 8 : q,
                             in_range ? 16 : 0);
         }
         cp_async_commit();
@@ -242,12 +242,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     int stage = 0;
     uint32_t phase = 0, tail_phase = 0;
     for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
-      if (!resolve(tile, w_)) continue;
-      const int kv_len = w_.kv_len;
+      if (!resolve(tile, job)) continue;
+      const int kv_len = job.kv_len;
       int kv_c1, kv_c2;  // the map coordinates of the sequence's key 0 of this kv head
-      kv_at.coords(w_.sq.kv_base, w_.kv_head, 0, kv_c1, kv_c2);
+      kv_at.coords(job.sq.kv_base, job.kv_head, 0, kv_c1, kv_c2);
       {
-        for (int b = w_.b_begin; b < w_.b_end; ++b) {
+        for (int b = job.b_begin; b < job.b_end; ++b) {
           mbar_wait(&kv_empty[stage], phase ^ 1);
           const int key0 = b * kKvBlock;
           const bool tail = key0 + kKvBlock > kv_len;
@@ -321,12 +321,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   };
 
   uint32_t q_phase = 0;
-  Tile w_;
+  Tile job;
   for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
-    if (!resolve(tile, w_)) continue;  // (the producer and the Q loaders skip it too)
-    const AttentionSeq sq = w_.sq;
-    const int kv_head = w_.kv_head, split = w_.split, kv_len = w_.kv_len, rows = w_.rows;
-    const int first_pos = w_.first_pos, row0 = w_.row0, b_begin = w_.b_begin, b_end = w_.b_end;
+    if (!resolve(tile, job)) continue;  // (the producer and the Q loaders skip it too)
+    const AttentionSeq sq = job.sq;
+    const int kv_head = job.kv_head, split = job.split, kv_len = job.kv_len, rows = job.rows;
+    const int first_pos = job.first_pos, row0 = job.row0, b_begin = job.b_begin, b_end = job.b_end;
     {
       const int my_row0 = row0 + consumer * kConsumerRows;
       const bool active = my_row0 < rows;

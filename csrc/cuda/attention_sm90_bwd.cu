@@ -82,6 +82,46 @@ __device__ __forceinline__ void zero_rows(uint8_t* tile, int boxes, int first, i
   __syncwarp();
 }
 
+// The producer's side of a TMA ring whose stage holds two tiles (Q and dO, or K and V) of 64 rows x
+// D_BOXES boxes, the second tile_bytes after the first. load(): once the consumers released the
+// next stage, rows (c1, c2) of both maps land in it and publish it on `full`; where the rows run
+// past the sequence's end at row `valid` < 64, they land on `tail`, rows valid.. become zeros (the
+// sm80 kernels' zero fill: the next sequence's tokens), and then the stage is published.
+template <int STAGES, int D_BOXES>
+struct PairRingProducer {
+  uint8_t* ring;
+  int stage_bytes, tile_bytes;
+  uint64_t *full, *empty, *tail;
+  int stage = 0;
+  uint32_t phase = 0, tail_phase = 0;
+  __device__ __forceinline__ void load(const CUtensorMap* a_map, const CUtensorMap* b_map, int c1, int c2, int valid,
+                                       int lane) {
+    mbar_wait(&empty[stage], phase ^ 1);
+    const bool is_tail = valid < kTileRows;
+    uint64_t* bar = is_tail ? tail : &full[stage];
+    uint8_t* a = ring + stage * stage_bytes;
+    uint8_t* b = a + tile_bytes;
+    if (lane == 0) {
+      mbar_arrive_expect_tx(bar, 2 * tile_bytes);
+      for (int box = 0; box < D_BOXES; ++box) {
+        tma_load_3d(a + box * kBoxBytes, a_map, bar, box * kBoxElems, c1, c2);
+        tma_load_3d(b + box * kBoxBytes, b_map, bar, box * kBoxElems, c1, c2);
+      }
+    }
+    if (is_tail) {
+      mbar_wait(tail, tail_phase);
+      tail_phase ^= 1;
+      zero_rows(a, D_BOXES, valid, lane);
+      zero_rows(b, D_BOXES, valid, lane);
+      if (lane == 0) mbar_arrive(&full[stage]);
+    }
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
 // Rows of a [rows][head_dim] operand, row r from `src(r)` (nullptr: zeros), into the
 // 128-byte-swizzle layout of a TMA box stack, by one warpgroup.
 template <int D, typename Src>
@@ -145,8 +185,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
     if (threadIdx.x >= 32) return;
     const int lane = static_cast<int>(threadIdx.x);
-    int stage = 0;
-    uint32_t phase = 0, kv_phase = 0, tail_phase = 0;
+    PairRingProducer<STAGES, Cfg::D_BOXES> qdo_ring{ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES, full, empty, tail};
+    uint32_t kv_phase = 0;
     for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
       const AttentionSeq sq = attention_seq(p, s);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
@@ -177,30 +217,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         for (int it = 0; it < group * q_blocks; ++it) {
           const int head = kv_head * group + it / q_blocks;
           const int qstart = (first_qb + it % q_blocks) * kTileRows;
-          const bool is_tail = qstart + kTileRows > q_len;
-          mbar_wait(&empty[stage], phase ^ 1);
-          uint64_t* bar = is_tail ? tail : &full[stage];
-          if (lane == 0) {
-            mbar_arrive_expect_tx(bar, Cfg::STAGE_BYTES);
-            int c1, c2;
-            q_at.step(q_c1, q_c2, head, qstart, c1, c2);
-            for (int b = 0; b < Cfg::D_BOXES; ++b) {
-              tma_load_3d(q_stage(stage) + b * kBoxBytes, &q_map, bar, b * kBoxElems, c1, c2);
-              tma_load_3d(do_stage(stage) + b * kBoxBytes, &do_map, bar, b * kBoxElems, c1, c2);
-            }
-          }
-          if (is_tail) {
-            // Q and dO rows past q_len (the next sequence's) become zeros, as the sm80 zero fill.
-            mbar_wait(tail, tail_phase);
-            tail_phase ^= 1;
-            zero_rows(q_stage(stage), Cfg::D_BOXES, q_len - qstart, lane);
-            zero_rows(do_stage(stage), Cfg::D_BOXES, q_len - qstart, lane);
-            if (lane == 0) mbar_arrive(&full[stage]);
-          }
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1;
-          }
+          int c1, c2;
+          q_at.step(q_c1, q_c2, head, qstart, c1, c2);
+          qdo_ring.load(&q_map, &do_map, c1, c2, q_len - qstart, lane);  // Q, dO rows past q_len: zeros
         }
       }
     }
@@ -424,8 +443,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
     if (threadIdx.x >= 32) return;
     const int lane = static_cast<int>(threadIdx.x);
-    int stage = 0;
-    uint32_t phase = 0, tail_phase = 0;
+    PairRingProducer<STAGES, Cfg::D_BOXES> kv_ring{ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES, full, empty, tail};
     for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
       const AttentionSeq sq = attention_seq(p, s);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
@@ -440,30 +458,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         const int num_blocks = p.causal ? last_pos / kTileRows + 1 : (kv_len + kTileRows - 1) / kTileRows;
         for (int b = 0; b < num_blocks; ++b) {
           const int key0 = b * kTileRows;
-          const bool is_tail = key0 + kTileRows > kv_len;
-          mbar_wait(&empty[stage], phase ^ 1);
-          uint64_t* bar = is_tail ? tail : &full[stage];
-          if (lane == 0) {
-            mbar_arrive_expect_tx(bar, Cfg::STAGE_BYTES);
-            int c1, c2;
-            kv_at.step(kv_c1, kv_c2, 0, key0, c1, c2);
-            for (int c = 0; c < Cfg::D_BOXES; ++c) {
-              tma_load_3d(k_stage(stage) + c * kBoxBytes, &k_map, bar, c * kBoxElems, c1, c2);
-              tma_load_3d(v_stage(stage) + c * kBoxBytes, &v_map, bar, c * kBoxElems, c1, c2);
-            }
-          }
-          if (is_tail) {
-            // K rows past kv_len meet dS = +0 in dQ += dS K: zeros, as the sm80 zero fill.
-            mbar_wait(tail, tail_phase);
-            tail_phase ^= 1;
-            zero_rows(k_stage(stage), Cfg::D_BOXES, kv_len - key0, lane);
-            zero_rows(v_stage(stage), Cfg::D_BOXES, kv_len - key0, lane);
-            if (lane == 0) mbar_arrive(&full[stage]);
-          }
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1;
-          }
+          int c1, c2;
+          kv_at.step(kv_c1, kv_c2, 0, key0, c1, c2);
+          kv_ring.load(&k_map, &v_map, c1, c2, kv_len - key0, lane);  // K rows past kv_len meet dS = +0: zeros
         }
       }
     }
