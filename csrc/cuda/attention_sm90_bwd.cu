@@ -122,6 +122,28 @@ struct PairRingProducer {
   }
 };
 
+// acc += A B over the 4 k16 chunks of a 64-row block in increasing k (A in registers, B the
+// MN-major tile at b_addr), issued and waited for.
+template <typename T, int D>
+__device__ __forceinline__ void rs_block_product(float (&acc)[D / 2], const uint32_t (&a)[4][4], uint32_t b_addr) {
+  wgmma_fence();
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(acc, a[kc], mn_desc(b_addr, kc), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+}
+
+// A consumer's release of its ring stage (kStageReleaseArrivals), then the next stage.
+template <int STAGES, bool EXACT>
+__device__ __forceinline__ void release_and_advance(uint64_t* empty, int tid, int& stage, uint32_t& phase) {
+  if (EXACT || tid == 0) mbar_arrive(&empty[stage]);
+  if (++stage == STAGES) {
+    stage = 0;
+    phase ^= 1;
+  }
+}
+
 // Rows of a [rows][head_dim] operand, row r from `src(r)` (nullptr: zeros), into the
 // 128-byte-swizzle layout of a TMA box stack, by one warpgroup.
 template <int D, typename Src>
@@ -363,19 +385,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           if (cuts) {
             by_cuts(dk_flat, pa, q_stage(stage));
           } else {
-            wgmma_fence();
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dk_flat, pa[kc], mn_desc(q_addr, kc), 1);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_accumulators(dk_flat);
+            rs_block_product<T, D>(dk_flat, pa, q_addr);
           }
         }
-        if (EXACT || tid == 0) mbar_arrive(&empty[stage]);
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
+        release_and_advance<STAGES, EXACT>(empty, tid, stage, phase);
       }
 
       // Epilogue: keys below kv_len; dK = scale * acc and dV rounded once.
@@ -604,19 +617,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
                                              tid, kConsumerBar + consumer);
             }
           } else {
-            wgmma_fence();
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dq_flat, dsa[kc], mn_desc(k_addr, kc), 1);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_accumulators(dq_flat);
+            rs_block_product<T, D>(dq_flat, dsa, k_addr);
           }
         }
-        if (EXACT || tid == 0) mbar_arrive(&empty[stage]);
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
+        release_and_advance<STAGES, EXACT>(empty, tid, stage, phase);
       }
       if (!active) continue;
 
