@@ -238,6 +238,26 @@ def test_masked_logits_are_excluded(device, dtype):
     torch.testing.assert_close(ent, sub_ent, atol=1e-5, rtol=1e-5)
 
 
+def test_temperature_range(device, dtype):
+    """Temperatures where float32(1 / T) is a normal number work up to both ends of the range (the
+    T -> 0 and T -> inf limits: all mass on the row's max, or the uniform distribution over the
+    unmasked entries); just outside, a ValueError where 1e-39 used to give NaN everywhere
+    (issue 31). The refusals of every op are in the specs' bad inputs (tests/test_registry.py)."""
+    vocab = 300
+    logits = randn(4, vocab, dtype=dtype, device=device, seed=22, scale=0.1)  # |logit| < 1: z stays finite at T_min
+    logits[:, ::3] = -math.inf
+    top = logits.argmax(-1)
+    lp, ent = rl_engine_ext.logprob(logits, top, lp_mod.MIN_TEMPERATURE, return_entropy=True)
+    assert not lp.any() and not ent.any()
+    lp, ent = rl_engine_ext.logprob(logits, top, lp_mod.MAX_TEMPERATURE, return_entropy=True)
+    kept = vocab - len(range(0, vocab, 3))
+    torch.testing.assert_close(lp, torch.full_like(lp, -math.log(kept)), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, torch.full_like(ent, math.log(kept)), atol=1e-6, rtol=0)
+    for temperature in (1e-39, math.nextafter(lp_mod.MIN_TEMPERATURE, 0.0), math.nextafter(lp_mod.MAX_TEMPERATURE, math.inf)):
+        with pytest.raises(ValueError, match=r"rl_align::logprob: temperature must be in \[2.93874e-39, 8.50706e\+37\]"):
+            rl_engine_ext.logprob(logits, top, temperature)
+
+
 # ------------------------------------------------------------------------------------------
 # Out-of-range targets
 # ------------------------------------------------------------------------------------------

@@ -30,9 +30,11 @@ namespace rl_align {
 // Checks
 // ------------------------------------------------------------------------------------------------
 
+// kn / vn: what k and v are called in op's schema (k, v; k_cache, v_cache).
 inline void check_attention_qkv(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                const at::Tensor& v, int64_t dims, const char* layout) {
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
+                                const at::Tensor& v, int64_t dims, const char* layout, const char* kn = "k",
+                                const char* vn = "v") {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {kn, k}, {vn, v}}) {
     check_dtype(op, name, t);
     TORCH_CHECK_VALUE(t.dim() == dims, "rl_align::", op, ": ", name, " must be ", dims, "-D ",
                       layout, ", got shape ", t.sizes());
@@ -41,10 +43,10 @@ inline void check_attention_qkv(const char* op, const at::Tensor& q, const at::T
     TORCH_CHECK(t.device() == q.device(), "rl_align::", op, ": ", name, " is on ", t.device(),
                 " but q is on ", q.device());
   }
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "rl_align::", op, ": k ", k.sizes(), " and v ",
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "rl_align::", op, ": ", kn, " ", k.sizes(), " and ", vn, " ",
                     v.sizes(), " must have the same shape");
   const int64_t d = q.size(-1);
-  TORCH_CHECK_VALUE(k.size(-1) == d, "rl_align::", op, ": q head_dim ", d, " differs from k head_dim ",
+  TORCH_CHECK_VALUE(k.size(-1) == d, "rl_align::", op, ": q head_dim ", d, " differs from ", kn, " head_dim ",
                     k.size(-1));
   TORCH_CHECK_VALUE(d >= 1, "rl_align::", op, ": head_dim must be >= 1");
   const int64_t hq = q.size(1), hkv = k.size(1);  // heads are dimension 1 in every layout
@@ -60,13 +62,27 @@ inline double attention_scale(const char* op, const std::optional<double>& scale
   return s;
 }
 
-// A sequence-lengths tensor (mask, cu_seqlens, cache lengths): on q's device, bool or integer.
+// A tensor read as sequence lengths (padding mask, cu_seqlens, cache lengths): on q's device, bool
+// or integer.
 inline void check_index_tensor(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like) {
   TORCH_CHECK(t.device() == like.device(), "rl_align::", op, ": ", name, " is on ", t.device(),
               " but q is on ", like.device());
   TORCH_CHECK_VALUE(t.scalar_type() == at::kBool || at::isIntegralType(t.scalar_type(), false),
                     "rl_align::", op, ": ", name, " must be a bool or integer tensor, got ",
                     dtype_name(t.scalar_type()));
+}
+
+// A per-sequence count or offset (cu_seqlens, cache_seqlens, cache_starts): int32 or int64 (a bool
+// would read as lengths 0 and 1), on q's device.
+inline void check_lengths_tensor(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "rl_align::", op, ": ", name,
+                    " must be torch.int32 or torch.int64, got ", dtype_name(t.scalar_type()));
+  check_index_tensor(op, name, t, q);
+}
+
+inline void check_max_seqlen(const char* op, std::optional<int64_t> max_seqlen) {
+  TORCH_CHECK_VALUE(!max_seqlen.has_value() || *max_seqlen >= 0, "rl_align::", op, ": max_seqlen must be >= 0, got ",
+                    *max_seqlen);
 }
 
 // A sequence-lengths tensor copied to the host as int64.
@@ -152,10 +168,14 @@ DeviceSeqs host_seqs(const std::vector<SeqDesc>& seqs, const at::Tensor& q) {
 }
 
 // The problem for operands q (and out) [.., Hq, .., D] and k/v [.., Hkv, .., D] with the given
-// token and head strides (in elements) and lse head stride.
-inline AttentionProblem make_problem(const DeviceSeqs& d, const at::Tensor& q, const at::Tensor& k,
-                                     const at::Tensor& v, int64_t q_token_dim, int64_t q_head_dim, int64_t lse_stride_head,
+// token and head strides (in elements) and lse head stride. It points into d.seqs, q, k and v: the
+// caller holds them until the kernel ran.
+inline AttentionProblem make_problem(Lvalue<DeviceSeqs> seqs, Lvalue<at::Tensor> q_operand,
+                                     Lvalue<at::Tensor> k_operand, Lvalue<at::Tensor> v_operand,
+                                     int64_t q_token_dim, int64_t q_head_dim, int64_t lse_stride_head,
                                      double scale, bool causal) {
+  const DeviceSeqs& d = *seqs;
+  const at::Tensor &q = *q_operand, &k = *k_operand, &v = *v_operand;
   AttentionProblem p;
   p.num_seqs = d.bounds.num_seqs;
   p.heads_q = q.size(q_head_dim);
@@ -267,10 +287,8 @@ inline SeqsFromLengths varlen_lengths(const char* op, const at::Tensor& q, const
                                       const at::Tensor& cu_seqlens, std::optional<int64_t> max_seqlen) {
   TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "rl_align::", op,
                     ": cu_seqlens must be 1-D [num_seqs + 1], got shape ", cu_seqlens.sizes());
-  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong,
-                    "rl_align::", op, ": cu_seqlens must be torch.int32 or torch.int64, got ",
-                    dtype_name(cu_seqlens.scalar_type()));
-  check_index_tensor(op, "cu_seqlens", cu_seqlens, q);
+  check_lengths_tensor(op, "cu_seqlens", cu_seqlens, q);
+  check_max_seqlen(op, max_seqlen);
   SeqsFromLengths sp;
   sp.packed = true;
   sp.num_seqs = cu_seqlens.size(0) - 1;
@@ -397,7 +415,6 @@ DeviceSeqs varlen_seqs(const char* op, const AttentionOperands& x, const at::Ten
   if (validate) return host_seqs<Backend>(seqs_from_lengths(op, host_int64(op, "cu_seqlens", cu_seqlens, x.q), {}, sp), x.q);
   TORCH_CHECK_VALUE(max_seqlen.has_value(), "rl_align::", op,
                     ": validate=False needs max_seqlen (the grid is sized from it; no length is read on the host)");
-  TORCH_CHECK_VALUE(*max_seqlen >= 0, "rl_align::", op, ": max_seqlen must be >= 0, got ", *max_seqlen);
   TORCH_CHECK_VALUE(sp.num_seqs > 0 || sp.total_tokens == 0, "rl_align::", op, ": cu_seqlens of shape [1] holds no ",
                     "sequence for ", sp.total_tokens, " tokens");
   return {SeqBounds{sp.num_seqs, *max_seqlen, *max_seqlen}, Backend::device_seqs(op, cu_seqlens, std::nullopt, sp)};
@@ -492,7 +509,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
                                                           std::optional<double> scale, bool validate,
                                                           const std::optional<at::Tensor>& cache_starts) {
   constexpr const char* op = "attention_kvcache";
-  check_attention_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]");
+  check_attention_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]", "k_cache", "v_cache");
   TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "rl_align::", op, ": q ", q.sizes(), " and k_cache ",
                     k_cache.sizes(), " must have the same batch size");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == q.size(0), "rl_align::", op,
@@ -501,11 +518,11 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
   const int64_t batch = q.size(0), n = q.size(2), s_max = k_cache.size(2);
   TORCH_CHECK_VALUE(n <= s_max, "rl_align::", op, ": q's ", n, " new tokens do not fit the cache (", s_max,
                     " positions)");
-  check_index_tensor(op, "cache_seqlens", cache_seqlens, q);
+  check_lengths_tensor(op, "cache_seqlens", cache_seqlens, q);
   if (cache_starts) {
     TORCH_CHECK_VALUE(cache_starts->dim() == 1 && cache_starts->size(0) == q.size(0), "rl_align::", op,
                       ": cache_starts must have shape [", q.size(0), "], got ", cache_starts->sizes());
-    check_index_tensor(op, "cache_starts", *cache_starts, q);
+    check_lengths_tensor(op, "cache_starts", *cache_starts, q);
   }
   if (validate) Backend::refuse_graph_capture(op);
   const AttentionOperands x = attention_operands<Backend>(q, k_cache, v_cache);

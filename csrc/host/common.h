@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "../common/dtype_dispatch.h"
@@ -89,6 +90,32 @@ inline void check_fp32_accum(const char* op, const char* name,
   TORCH_CHECK(accum->device() == ref.device(), "rl_align::", op, ": ", name, " is on ",
               accum->device(), " but the inputs are on ", ref.device());
 }
+
+// ------------------------------------------------------------------------------------------------
+// Operand lifetimes
+// ------------------------------------------------------------------------------------------------
+
+// A const reference that binds only to an lvalue: what a helper takes when it stores a pointer into
+// the object (a tensor's data pointer into an operand descriptor). The descriptor is read after the
+// helper returns, by when a temporary argument (as_rows(x), x.contiguous()) has been freed, so
+// passing one must not compile: name it first, in the scope that launches the kernel.
+template <typename T>
+class Lvalue {
+ public:
+  Lvalue(const T& value) : value_(value) {}  // implicit: call sites pass the object itself
+  Lvalue(T&&) = delete;
+  Lvalue(const T&&) = delete;
+  const T& operator*() const { return value_; }
+  const T* operator->() const { return &value_; }
+
+ private:
+  const T& value_;
+};
+static_assert(std::is_convertible_v<at::Tensor&, Lvalue<at::Tensor>> &&
+                  std::is_convertible_v<const at::Tensor&, Lvalue<at::Tensor>> &&
+                  !std::is_convertible_v<at::Tensor, Lvalue<at::Tensor>> &&
+                  !std::is_convertible_v<const at::Tensor, Lvalue<at::Tensor>>,
+              "Lvalue binds to named tensors only");
 
 // ------------------------------------------------------------------------------------------------
 // Row views

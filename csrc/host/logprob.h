@@ -11,7 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -20,9 +20,17 @@
 
 namespace rl_align {
 
+// The kernels scale the logits by float32(1 / temperature), which must be a normal float32 number:
+// below kMinTemperature it overflows to inf (every result NaN); above kMaxTemperature it is
+// subnormal (few bits left) or 0 (every logit scaled to 0, a masked -inf logit to NaN). The one C++
+// copy of the rule (Python: temperature_error, rl_engine_ext/ops/logprob.py).
+constexpr double kMinTemperature = 1.0 / std::numeric_limits<float>::max();
+constexpr double kMaxTemperature = 1.0 / std::numeric_limits<float>::min();
+
 inline void check_temperature(const char* op, double temperature) {
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0, "rl_align::", op,
-                    ": temperature must be a finite number > 0, got ", temperature);
+  TORCH_CHECK_VALUE(temperature >= kMinTemperature && temperature <= kMaxTemperature, "rl_align::", op,
+                    ": temperature must be in [", kMinTemperature, ", ", kMaxTemperature,
+                    "] (1 / temperature a normal float32 number), got ", temperature);
 }
 
 // targets: int32/int64 of `shape` (the logits' or hidden's shape without the last dimension).
@@ -105,17 +113,17 @@ inline void check_targets_in_range_cpu(const char* op, const at::Tensor& targets
 }
 
 // The operands of a logprob call on [rows, vocab] logits views (the per-row tensors flat and
-// contiguous).
-inline LogprobOperands logprob_operands(const at::Tensor& logits_rows, const at::Tensor& targets_flat,
+// contiguous). The descriptor points into both tensors: the caller holds them until the kernel ran.
+inline LogprobOperands logprob_operands(Lvalue<at::Tensor> logits_rows, Lvalue<at::Tensor> targets_flat,
                                         double temperature, int64_t ignore_index) {
   LogprobOperands a;
-  a.rows = logits_rows.size(0);
-  a.vocab = logits_rows.size(1);
+  a.rows = logits_rows->size(0);
+  a.vocab = logits_rows->size(1);
   a.target_vocab = a.vocab;
-  a.logits = logits_rows.const_data_ptr();
-  a.logits_stride = row_stride(logits_rows);
-  a.targets = targets_flat.const_data_ptr();
-  a.targets_int64 = targets_flat.scalar_type() == at::kLong;
+  a.logits = logits_rows->const_data_ptr();
+  a.logits_stride = row_stride(*logits_rows);
+  a.targets = targets_flat->const_data_ptr();
+  a.targets_int64 = targets_flat->scalar_type() == at::kLong;
   a.ignore_index = ignore_index;
   a.inv_temperature = static_cast<float>(1.0 / temperature);
   return a;
@@ -135,7 +143,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_impl(const at::Tensor& lo
   if (targets.numel() == 0) return {logprob, entropy, lse};
   const at::Tensor targets_flat = flat_rows(targets);
   Backend::check_targets(op, targets_flat, logits.size(-1), ignore_index);
-  LogprobOperands a = logprob_operands(as_rows(logits), targets_flat, temperature, ignore_index);
+  const at::Tensor logits_rows = as_rows(logits);
+  LogprobOperands a = logprob_operands(logits_rows, targets_flat, temperature, ignore_index);
   a.logprob = logprob.mutable_data_ptr<float>();
   a.entropy = entropy.mutable_data_ptr<float>();
   a.lse = lse.mutable_data_ptr<float>();
@@ -152,14 +161,16 @@ struct LogprobBackwardRows {
         gh(grad_entropy.has_value() ? flat_rows(*grad_entropy) : at::Tensor()),
         entropy(flat_rows(entropy_)),
         lse(flat_rows(lse_)) {}
-  // Points a's backward inputs at these rows and its output at grad_logits.
-  void set(LogprobOperands& a, const at::Tensor& grad_logits) const {
+  // Points a's backward inputs at these rows and its output at grad_logits (both held by the
+  // caller until the kernel ran: a temporary does not compile).
+  void set(LogprobOperands& a, Lvalue<at::Tensor> grad_logits) const& {
     a.grad_logprob = g.const_data_ptr<float>();
     a.grad_entropy = gh.defined() ? gh.const_data_ptr<float>() : nullptr;
     a.saved_lse = lse.const_data_ptr<float>();
     a.saved_entropy = entropy.const_data_ptr<float>();
-    a.grad_logits = grad_logits.mutable_data_ptr();
+    a.grad_logits = grad_logits->mutable_data_ptr();
   }
+  void set(LogprobOperands& a, Lvalue<at::Tensor> grad_logits) const&& = delete;
 };
 
 template <typename Backend>
@@ -177,7 +188,8 @@ at::Tensor logprob_backward_impl(const at::Tensor& grad_logprob,
   const at::Tensor targets_flat = flat_rows(targets);
   Backend::check_targets(op, targets_flat, logits.size(-1), ignore_index);
   const LogprobBackwardRows rows(grad_logprob, grad_entropy, entropy, lse);
-  LogprobOperands a = logprob_operands(as_rows(logits), targets_flat, temperature, ignore_index);
+  const at::Tensor logits_rows = as_rows(logits);
+  LogprobOperands a = logprob_operands(logits_rows, targets_flat, temperature, ignore_index);
   rows.set(a, grad_logits);
   Backend::bwd(logits, a);
   return grad_logits;

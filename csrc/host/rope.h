@@ -96,18 +96,19 @@ inline RopeLayout check_rope_args(const char* op, const char* qn, const at::Tens
   return layout;
 }
 
-// A [batch, seq, heads, head_dim] view as kernel operand (the last dimension made dense).
-inline RopeOperand rope_operand(const at::Tensor& in_bshd, const at::Tensor& out_bshd) {
+// A [batch, seq, heads, head_dim] view as kernel operand (the last dimension made dense); the
+// caller holds both views until the kernel ran.
+inline RopeOperand rope_operand(Lvalue<at::Tensor> in_bshd, Lvalue<at::Tensor> out_bshd) {
   RopeOperand o;
-  o.in = in_bshd.const_data_ptr();
-  o.out = out_bshd.mutable_data_ptr();
-  o.heads = in_bshd.size(2);
-  o.in_stride_b = in_bshd.stride(0);
-  o.in_stride_s = in_bshd.stride(1);
-  o.in_stride_h = in_bshd.stride(2);
-  o.out_stride_b = out_bshd.stride(0);
-  o.out_stride_s = out_bshd.stride(1);
-  o.out_stride_h = out_bshd.stride(2);
+  o.in = in_bshd->const_data_ptr();
+  o.out = out_bshd->mutable_data_ptr();
+  o.heads = in_bshd->size(2);
+  o.in_stride_b = in_bshd->stride(0);
+  o.in_stride_s = in_bshd->stride(1);
+  o.in_stride_h = in_bshd->stride(2);
+  o.out_stride_b = out_bshd->stride(0);
+  o.out_stride_s = out_bshd->stride(1);
+  o.out_stride_h = out_bshd->stride(2);
   return o;
 }
 
@@ -135,10 +136,11 @@ std::tuple<at::Tensor, at::Tensor> rope_run(const char* op, const char* qn, cons
   const auto dense_last = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
   const at::Tensor qv = rope_bshd_view(dense_last(q), layout);
   const at::Tensor kv = rope_bshd_view(dense_last(k), layout);
+  const at::Tensor q_out_v = rope_bshd_view(q_out, layout), k_out_v = rope_bshd_view(k_out, layout);
   const at::Tensor freqs = inv_freq.contiguous();
   RopeProblem p;
-  p.operand[0] = rope_operand(qv, rope_bshd_view(q_out, layout));
-  p.operand[1] = rope_operand(kv, rope_bshd_view(k_out, layout));
+  p.operand[0] = rope_operand(qv, q_out_v);
+  p.operand[1] = rope_operand(kv, k_out_v);
   p.batch = qv.size(0);
   p.seq = qv.size(1);
   p.head_dim = qv.size(3);

@@ -53,26 +53,27 @@ inline at::Tensor empty_dense(at::IntArrayRef shape, const at::Tensor& like) {
   return at::empty(shape, like.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
-// Address of column `col` of row 0 of a [rows, n] view.
-inline const void* column_ptr(const at::Tensor& rows, int64_t col) {
-  return static_cast<const char*>(rows.const_data_ptr()) + col * rows.element_size();
+// Address of column `col` of row 0 of a [rows, n] view (which the caller holds while the address
+// is used).
+inline const void* column_ptr(Lvalue<at::Tensor> rows, int64_t col) {
+  return static_cast<const char*>(rows->const_data_ptr()) + col * rows->element_size();
 }
 
-inline void* column_ptr_mut(const at::Tensor& rows, int64_t col) {
-  return static_cast<char*>(rows.mutable_data_ptr()) + col * rows.element_size();
+inline void* column_ptr_mut(Lvalue<at::Tensor> rows, int64_t col) {
+  return static_cast<char*>(rows->mutable_data_ptr()) + col * rows->element_size();
 }
 
 // Operands with gate and up read from [rows, cols] views (the two may be the halves of one
-// gate_up view: column offsets 0 and cols).
-inline SiluMulOperands silu_mul_inputs(const at::Tensor& gate_rows, int64_t gate_col,
-                                       const at::Tensor& up_rows, int64_t up_col, int64_t cols) {
+// gate_up view: column offsets 0 and cols), held by the caller until the kernel ran.
+inline SiluMulOperands silu_mul_inputs(Lvalue<at::Tensor> gate_rows, int64_t gate_col,
+                                       Lvalue<at::Tensor> up_rows, int64_t up_col, int64_t cols) {
   SiluMulOperands a;
-  a.rows = gate_rows.size(0);
+  a.rows = gate_rows->size(0);
   a.cols = cols;
-  a.gate = column_ptr(gate_rows, gate_col);
-  a.gate_stride = row_stride(gate_rows);
-  a.up = column_ptr(up_rows, up_col);
-  a.up_stride = row_stride(up_rows);
+  a.gate = column_ptr(*gate_rows, gate_col);
+  a.gate_stride = row_stride(*gate_rows);
+  a.up = column_ptr(*up_rows, up_col);
+  a.up_stride = row_stride(*up_rows);
   return a;
 }
 
@@ -119,7 +120,8 @@ at::Tensor silu_mul_impl(const at::Tensor& gate, const at::Tensor& up) {
   at::Tensor y = empty_dense(gate.sizes(), gate);
   if (y.numel() == 0) return y;
   const int64_t cols = gate.size(-1);
-  SiluMulOperands a = silu_mul_inputs(as_rows(gate), 0, as_rows(up), 0, cols);
+  const at::Tensor gate_rows = as_rows(gate), up_rows = as_rows(up);
+  SiluMulOperands a = silu_mul_inputs(gate_rows, 0, up_rows, 0, cols);
   a.out = y.mutable_data_ptr();
   a.out_stride = cols;
   Backend::fwd(op, gate, a);
@@ -138,7 +140,8 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward_impl(const at::Tensor& grad
   if (gate.numel() == 0) return {d_gate, d_up};
   const int64_t cols = gate.size(-1);
   const at::Tensor dy = as_rows(grad_out);
-  SiluMulOperands a = silu_mul_inputs(as_rows(gate), 0, as_rows(up), 0, cols);
+  const at::Tensor gate_rows = as_rows(gate), up_rows = as_rows(up);
+  SiluMulOperands a = silu_mul_inputs(gate_rows, 0, up_rows, 0, cols);
   a.grad_out = dy.const_data_ptr();
   a.grad_out_stride = row_stride(dy);
   a.out = d_gate.mutable_data_ptr();

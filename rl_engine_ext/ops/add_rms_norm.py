@@ -12,6 +12,8 @@ arithmetic, same ``rms_norm_tile_rows(H)`` tiles, chainable through ``dweight_ac
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import contract
@@ -128,6 +130,7 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput(OP, (x, x.half(), w, EPS), ValueError, "residual dtype torch.float16 differs from x dtype"),
         BadInput(OP, (x, x, w[:15], EPS), ValueError, "weight has 15 elements"),
         BadInput(OP, (x, x, w, -1.0), ValueError, "eps must be >= 0"),
+        BadInput(OP, (x, x, w, math.nan), ValueError, "eps must be >= 0, got nan"),
         BadInput(OP, (x.double(), x.double(), w.double(), EPS), ValueError, "unsupported dtype torch.float64 for x"),
         BadInput(OP, (x, x, w, EPS, "qwen"), ValueError, "mode must be 'fp32', 'llama' or 'gemma', got 'qwen'"),
         BadInput(bwd, (x[:3], None, x, w, EPS), ValueError, "grad_y shape"),

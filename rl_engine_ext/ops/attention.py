@@ -59,8 +59,10 @@ ATTENTION_KV_SPLIT = 2048
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, layout: str) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, layout: str, kn: str = "k",
+               vn: str = "v") -> None:
+    """kn / vn: what k and v are called in op's schema (k, v; k_cache, v_cache)."""
+    for name, t in (("q", q), (kn, k), (vn, v)):
         _checks.check_dtype(op, name, t)
         if t.dim() != dims:
             raise _checks.fail(op, f"{name} must be {dims}-D {layout}, got shape {list(t.shape)}")
@@ -68,9 +70,9 @@ def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims:
             raise _checks.fail(op, f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
         _checks.check_device(op, name, t, "q", q)
     if k.shape != v.shape:
-        raise _checks.fail(op, f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
+        raise _checks.fail(op, f"{kn} {list(k.shape)} and {vn} {list(v.shape)} must have the same shape")
     if k.shape[-1] != q.shape[-1]:
-        raise _checks.fail(op, f"q head_dim {q.shape[-1]} differs from k head_dim {k.shape[-1]}")
+        raise _checks.fail(op, f"q head_dim {q.shape[-1]} differs from {kn} head_dim {k.shape[-1]}")
     if q.shape[-1] < 1:
         raise _checks.fail(op, "head_dim must be >= 1")
     hq, hkv = q.shape[1], k.shape[1]
@@ -99,12 +101,20 @@ def _check_mask(op: str, padding_mask: torch.Tensor | None, q: torch.Tensor) -> 
     _checks.check_index_tensor(op, "padding_mask", padding_mask, q)
 
 
-def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, q: torch.Tensor) -> None:
+def _check_lengths(op: str, name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+    """A per-sequence count or offset (cu_seqlens, cache_seqlens, cache_starts): int32 or int64 (a
+    bool would read as lengths 0 and 1), on q's device."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise _checks.fail(op, f"{name} must be torch.int32 or torch.int64, got {t.dtype}")
+    _checks.check_device(op, name, t, "q", q)
+
+
+def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, max_seqlen: int | None, q: torch.Tensor) -> None:
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise _checks.fail(op, f"cu_seqlens must be 1-D [num_seqs + 1], got shape {list(cu_seqlens.shape)}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise _checks.fail(op, f"cu_seqlens must be torch.int32 or torch.int64, got {cu_seqlens.dtype}")
-    _checks.check_device(op, "cu_seqlens", cu_seqlens, "q", q)
+    _check_lengths(op, "cu_seqlens", cu_seqlens, q)
+    if max_seqlen is not None and max_seqlen < 0:
+        raise _checks.fail(op, f"max_seqlen must be >= 0, got {max_seqlen}")
 
 
 def _check_backward_extras(op: str, grad_out, out, lse, q, lse_shape: tuple[int, ...]) -> None:
@@ -147,8 +157,6 @@ def _check_unvalidated_varlen(op: str, cu_seqlens, max_seqlen, q, validate: bool
         return
     if max_seqlen is None:
         raise _checks.fail(op, "validate=False needs max_seqlen (the grid is sized from it; no length is read on the host)")
-    if max_seqlen < 0:
-        raise _checks.fail(op, f"max_seqlen must be >= 0, got {max_seqlen}")
     if cu_seqlens.shape[0] == 1 and q.shape[0] > 0:
         raise _checks.fail(op, f"cu_seqlens of shape [1] holds no sequence for {q.shape[0]} tokens")
 
@@ -157,7 +165,7 @@ def check_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, scale=None, cau
     op = "attention_varlen"
     _check_varlen(op, q, k, v)
     _scale(op, scale, q.shape[-1])
-    _check_cu_seqlens(op, cu_seqlens, q)
+    _check_cu_seqlens(op, cu_seqlens, max_seqlen, q)
     _check_unvalidated_varlen(op, cu_seqlens, max_seqlen, q, validate)
 
 
@@ -167,13 +175,13 @@ def check_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, max
     _check_varlen(op, q, k, v)
     _check_backward_extras(op, grad_out, out, lse, q, (q.shape[1], q.shape[0]))
     _scale(op, scale, q.shape[-1])
-    _check_cu_seqlens(op, cu_seqlens, q)
+    _check_cu_seqlens(op, cu_seqlens, max_seqlen, q)
     _check_unvalidated_varlen(op, cu_seqlens, max_seqlen, q, validate)
 
 
 def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, validate=True, cache_starts=None) -> None:
     op = "attention_kvcache"
-    _check_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]")
+    _check_qkv(op, q, k_cache, v_cache, 4, "[batch, heads, seq, head_dim]", "k_cache", "v_cache")
     if k_cache.shape[0] != q.shape[0]:
         raise _checks.fail(op, f"q {list(q.shape)} and k_cache {list(k_cache.shape)} must have the same batch size")
     if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != q.shape[0]:
@@ -181,11 +189,11 @@ def check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, scale=None, vali
     _scale(op, scale, q.shape[-1])
     if q.shape[2] > k_cache.shape[2]:
         raise _checks.fail(op, f"q's {q.shape[2]} new tokens do not fit the cache ({k_cache.shape[2]} positions)")
-    _checks.check_index_tensor(op, "cache_seqlens", cache_seqlens, q)
+    _check_lengths(op, "cache_seqlens", cache_seqlens, q)
     if cache_starts is not None:
         if cache_starts.dim() != 1 or cache_starts.shape[0] != q.shape[0]:
             raise _checks.fail(op, f"cache_starts must have shape [{q.shape[0]}], got {list(cache_starts.shape)}")
-        _checks.check_index_tensor(op, "cache_starts", cache_starts, q)
+        _check_lengths(op, "cache_starts", cache_starts, q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,8 +510,12 @@ def attention_kvcache(
     (Hugging Face's batch generation keeps the prompts' left padding in it) is read in place with
     ``cache_starts`` = each row's padding count: the result is the unpadded sequence's, bit for bit.
 
-    ``validate=True`` reads ``cache_seqlens`` on the host and raises a ValueError for a length
-    outside ``[n, S_max]`` (one device-to-host copy per call). ``validate=False`` never reads them
+    ``cache_seqlens`` and ``cache_starts`` are int32 or int64. A length must lie in ``[1, S_max]`` for
+    a decode step (n = 1) and in ``[0, S_max]`` for a chunk of n > 1 queries: a chunk may start
+    before its sequence does, and then the first ``n - cache_seqlens[b]`` queries of row b are
+    padding (out 0, lse -inf). ``cache_starts[b] + cache_seqlens[b]`` must not exceed S_max.
+    ``validate=True`` reads the lengths on the host and raises a ValueError for any other value
+    (one device-to-host copy per call). ``validate=False`` never reads them
     on the host: no synchronisation, so a decode step can be captured in a CUDA graph and
     replayed with new lengths; a bad length is then a device-side assert on CUDA (the context is
     unusable afterwards, as after F.embedding's), still an error on the CPU, never an
@@ -589,7 +601,11 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput("attention_varlen", varlen([0, 3, 7]), ValueError, "end at the token count", value_dependent=True),
         BadInput("attention_varlen", varlen([1, 8]), ValueError, "start at 0", value_dependent=True),
         BadInput("attention_varlen", varlen([0, 8], max_seqlen=4), ValueError, "max_seqlen", value_dependent=True),
-        BadInput("attention_varlen", varlen([0.0, 8.0], dtype=torch.float32), ValueError, "int32 or torch.int64"),
+        BadInput("attention_varlen", varlen([0.0, 8.0], dtype=torch.float32), ValueError,
+                 "cu_seqlens must be torch.int32 or torch.int64, got torch.float32"),
+        BadInput("attention_varlen", varlen([False, True], dtype=torch.bool), ValueError,
+                 "cu_seqlens must be torch.int32 or torch.int64, got torch.bool"),
+        BadInput("attention_varlen", varlen([0, 8], max_seqlen=-1), ValueError, "max_seqlen must be >= 0, got -1"),
         BadInput("attention_varlen", varlen([[0, 8]]), ValueError, "cu_seqlens must be 1-D"),
         BadInput("attention_varlen", (qp, kvp[:4], kvp[:4], cu, None, None, True), ValueError, "same token count"),
         BadInput("attention_varlen", varlen([0, 8], validate=False), ValueError, "validate=False needs max_seqlen"),
@@ -599,6 +615,11 @@ def _bad_inputs(device: str) -> list[BadInput]:
                                                False), ValueError, "validate=False needs max_seqlen"),
         BadInput("attention_varlen_backward", (qp, qp, kvp, kvp, qp, lse[0, :, :4], cu, None, 0.125, True), ValueError,
                  "lse must be torch.float32 of shape"),
+        BadInput("attention_varlen_backward", (qp, qp, kvp, kvp, qp, lse[0, :, :8].contiguous(), cu, -3, 0.125, True),
+                 ValueError, "max_seqlen must be >= 0, got -3"),
+        BadInput("attention_varlen_backward", (qp, qp, kvp, kvp, qp, lse[0, :, :8].contiguous(), cu.bool(), None,
+                                               0.125, True), ValueError,
+                 "cu_seqlens must be torch.int32 or torch.int64, got torch.bool"),
         BadInput("attention_kvcache", (q[:, :, :1], kv, kv, torch.tensor([0, 8], device=device), None), ValueError,
                  r"cache_seqlens\[0\] = 0 must be within \[1, 8\]", value_dependent=True),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([9, 8], device=device), None), ValueError,
@@ -606,11 +627,19 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([-1, 8], device=device), None), ValueError,
                  r"cache_seqlens\[0\] = -1 must be within \[0, 8\]", value_dependent=True),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4.0, 8.0], device=device), None), ValueError,
-                 "cache_seqlens must be a bool or integer tensor"),
+                 "cache_seqlens must be torch.int32 or torch.int64, got torch.float32"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([True, True], device=device), None), ValueError,
+                 "cache_seqlens must be torch.int32 or torch.int64, got torch.bool"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([True, True], device=device), None, False),
+                 ValueError, "cache_seqlens must be torch.int32 or torch.int64, got torch.bool"),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4], device=device), None), ValueError,
                  r"cache_seqlens must have shape \[2\]"),
         BadInput("attention_kvcache", (q[:, :, :2], kv[:1], kv[:1], torch.tensor([4, 4], device=device), None), ValueError,
                  "same batch size"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv[:, :, :4], torch.tensor([4, 4], device=device), None),
+                 ValueError, r"k_cache \[2, 2, 8, 64\] and v_cache \[2, 2, 4, 64\] must have the same shape"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv.float(), torch.tensor([4, 4], device=device), None),
+                 ValueError, "v_cache dtype torch.float32 differs from q dtype"),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, True,
                  torch.tensor([5, 0], device=device)), ValueError, r"cache_starts\[0\] = 5", value_dependent=True),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, True,
@@ -618,7 +647,11 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, True,
                  torch.tensor([0], device=device)), ValueError, r"cache_starts must have shape \[2\]"),
         BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, True,
-                 torch.tensor([0.0, 1.0], device=device)), ValueError, "cache_starts must be a bool or integer"),
+                 torch.tensor([0.0, 1.0], device=device)), ValueError,
+                 "cache_starts must be torch.int32 or torch.int64, got torch.float32"),
+        BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8], device=device), None, False,
+                 torch.tensor([False, True], device=device)), ValueError,
+                 "cache_starts must be torch.int32 or torch.int64, got torch.bool"),
     ]
     if device == "cpu":  # validate=False checks the values where they are: here, on the host
         bad += [
@@ -637,6 +670,8 @@ def _bad_inputs(device: str) -> list[BadInput]:
             BadInput("attention_varlen", (qp, kvp, kvp, cu.cpu(), None, None, True), RuntimeError, "cu_seqlens is on cpu"),
             BadInput("attention_kvcache", (q[:, :, :2], kv, kv, torch.tensor([4, 8]), None), RuntimeError,
                      "cache_seqlens is on cpu"),
+            BadInput("attention_kvcache", (q[:, :, :2], kv.cpu(), kv.cpu(), torch.tensor([4, 8], device=device), None),
+                     RuntimeError, "k_cache is on cpu but q is on cuda"),
         ]
     return bad
 

@@ -26,7 +26,8 @@ from .linear import LINEAR_GRAD_TILE_TOKENS
 from .linear import reference_forward as reference_linear
 from .linear import reference_grad_bias, reference_grad_input, reference_grad_weight
 from .logprob import (
-    IGNORE_INDEX, _targets, check_backward_stats, float64_truth, check_targets, check_targets_in_range, check_temperature,
+    IGNORE_INDEX, TEMPERATURE_OUT_OF_RANGE, _targets, check_backward_stats, float64_truth, check_targets,
+    check_targets_in_range, check_temperature,
     reference_logprob,
     reference_logprob_backward,
 )
@@ -216,7 +217,7 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """``logprob(linear(hidden, weight, bias), targets, temperature, return_entropy)`` bit for bit
     (differentiable), without materialising the ``[..., V]`` logits. hidden ``[..., H]``, weight
     ``[V, H]`` (the LM head; may be tied to the embedding: autograd adds the gradients), targets
-    ``[...]``."""
+    ``[...]``; ``temperature`` in logprob's range ([MIN_TEMPERATURE, MAX_TEMPERATURE])."""
     lp, entropy, _ = OPS.linear_logprob(hidden, weight, targets, bias, float(temperature),
                                         int(ignore_index))
     return (lp, entropy) if return_entropy else lp
@@ -283,10 +284,14 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput(OP, (h, w, t, b.half(), 1.0, -100), ValueError, "bias dtype torch.float16 differs"),
         BadInput(OP, (h, w, t[:2], None, 1.0, -100), ValueError, r"targets shape \[2\] must be hidden shape"),
         BadInput(OP, (h, w, t.float(), None, 1.0, -100), ValueError, "targets must be torch.int32 or torch.int64"),
-        BadInput(OP, (h, w, t, None, 0.0, -100), ValueError, "temperature must be a finite number > 0"),
+        BadInput(OP, (h, w, t, None, 0.0, -100), ValueError, TEMPERATURE_OUT_OF_RANGE + "0"),
+        BadInput(OP, (h, w, t, None, 1e-39, -100), ValueError, TEMPERATURE_OUT_OF_RANGE + "1e-39"),
+        BadInput(OP, (h, w, t, None, 1e38, -100), ValueError, TEMPERATURE_OUT_OF_RANGE + r"1e\+38"),
         BadInput(GRAD_OP, (g.half(), None, h, w, None, t, g, g, 1.0, -100, None, None), ValueError,
                  "grad_logprob must be torch.float32"),
         BadInput(GRAD_OP, (g, None, h, w, None, t, g[:1], g, 1.0, -100, None, None), ValueError, "entropy shape"),
+        BadInput(GRAD_OP, (g, None, h, w, None, t, g, g, 1e-39, -100, None, None), ValueError,
+                 TEMPERATURE_OUT_OF_RANGE + "1e-39"),
         BadInput(GRAD_OP, (g, None, h, w, None, t, g, g, 1.0, -100, torch.ones(8, 16, device=device), None), ValueError,
                  r"dweight_accum must have shape \[16, 8\]"),
         BadInput(GRAD_OP, (g, None, h, w, None, t, g, g, 1.0, -100, w.bfloat16(), None), ValueError,

@@ -6,7 +6,10 @@ per token, from logits ``[..., V]`` (bf16/fp16/fp32) and targets ``[...]`` (int3
 results. The sum over V runs in a fixed order that depends only on V (csrc/common/logprob.h), so a
 token's log-prob, entropy and gradient are the same bits whatever else is in the batch. A target
 equal to ``ignore_index`` gives logprob 0, entropy 0 and a zero gradient; any other target outside
-``[0, V)`` is an IndexError on the CPU and a device-side assert on CUDA (no host sync).
+``[0, V)`` is an IndexError on the CPU and a device-side assert on CUDA (no host sync). The
+logits are scaled by float32(1 / temperature), so the temperature must lie in [MIN_TEMPERATURE,
+MAX_TEMPERATURE] (about [2.9e-39, 8.5e37]), where that is a normal float32 number; any other
+temperature (<= 0, inf, NaN included) is a ValueError.
 
 The backward is elementwise from the saved lse and entropy: grad_logits = (g * (onehot - p) +
 gh * p * (E_p[z] - z)) / temperature, rounded once to the logits dtype, no reduction.
@@ -15,6 +18,7 @@ gh * p * (E_p[z] - z)) / temperature, rounded once to the logits dtype, no reduc
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -32,9 +36,28 @@ IGNORE_INDEX = -100
 # ---------------------------------------------------------------------------------------------
 
 
+# The kernels scale the logits by float32(1 / temperature), which must be a normal float32 number:
+# below MIN_TEMPERATURE it overflows to inf (every result NaN); above MAX_TEMPERATURE it is subnormal
+# (few bits left) or 0 (every logit scaled to 0, and a masked -inf logit to NaN). Temperatures
+# outside the range are refused rather than approximated by the T -> 0 or T -> inf limits.
+MIN_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
+MAX_TEMPERATURE = 1.0 / torch.finfo(torch.float32).tiny
+
+
+def temperature_error(temperature: float) -> str | None:
+    """Why the log-prob kernels refuse ``temperature`` (a message naming the argument and the
+    allowed range), or None: the one copy of the rule in Python (C++: check_temperature,
+    csrc/host/logprob.h)."""
+    if MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        return None
+    return (f"temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (1 / temperature a normal float32 "
+            f"number), got {temperature:g}")
+
+
 def check_temperature(op: str, temperature: float) -> None:
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise _checks.fail(op, f"temperature must be a finite number > 0, got {temperature:g}")
+    error = temperature_error(temperature)
+    if error is not None:
+        raise _checks.fail(op, error)
 
 
 def check_targets(op: str, targets: torch.Tensor, shape: list[int], ref_name: str, ref: torch.Tensor) -> None:
@@ -197,7 +220,8 @@ def logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.
             ignore_index: int = IGNORE_INDEX):
     """Batch-invariant per-token log-probs (differentiable): fp32 ``logprob[...]`` of each target
     under ``softmax(logits / temperature)``, and with ``return_entropy`` also the entropy of that
-    distribution: ``(logprob, entropy)``. Targets equal to ``ignore_index`` give 0 and no gradient."""
+    distribution: ``(logprob, entropy)``. Targets equal to ``ignore_index`` give 0 and no gradient.
+    ``temperature`` in [MIN_TEMPERATURE, MAX_TEMPERATURE] (about [2.9e-39, 8.5e37]), else a ValueError."""
     lp, entropy, _ = OPS.logprob(logits, targets, float(temperature), int(ignore_index))
     return (lp, entropy) if return_entropy else lp
 
@@ -241,6 +265,11 @@ def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
     return out
 
 
+# How the checks refuse a temperature outside [MIN_TEMPERATURE, MAX_TEMPERATURE] (then the value).
+TEMPERATURE_OUT_OF_RANGE = (r"temperature must be in \[2.93874e-39, 8.50706e\+37\] \(1 / temperature a normal float32 "
+                            r"number\), got ")
+
+
 def _bad_inputs(device: str) -> list[BadInput]:
     logits = seeded_randn(4, 16, dtype=torch.bfloat16, device=device, seed=45)
     t = _targets((4,), 16, device, seed=46)
@@ -251,16 +280,15 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput(OP, (logits[:, :0], t, 1.0, -100), ValueError, r"vocabulary\) dimension of size > 0, got shape \[4, 0\]"),
         BadInput(OP, (logits, t.float(), 1.0, -100), ValueError, "targets must be torch.int32 or torch.int64, got torch.float32"),
         BadInput(OP, (logits, t[:3], 1.0, -100), ValueError, r"targets shape \[3\] must be logits shape without the last dimension \[4\]"),
-        BadInput(OP, (logits, t, 0.0, -100), ValueError, "temperature must be a finite number > 0, got 0"),
-        BadInput(OP, (logits, t, -1.0, -100), ValueError, "temperature must be a finite number > 0, got -1"),
-        BadInput(OP, (logits, t, math.inf, -100), ValueError, "temperature must be a finite number > 0, got inf"),
-        BadInput(OP, (logits, t, math.nan, -100), ValueError, "temperature must be a finite number > 0, got nan"),
+        *(BadInput(OP, (logits, t, temperature, -100), ValueError, TEMPERATURE_OUT_OF_RANGE + re.escape(shown))
+          for temperature, shown in ((0.0, "0"), (-1.0, "-1"), (math.inf, "inf"), (math.nan, "nan"), (1e-39, "1e-39"),
+                                     (math.nextafter(MIN_TEMPERATURE, 0.0), "2.93874e-39"), (1e38, "1e+38"))),
         BadInput(GRAD_OP, (g.bfloat16(), None, logits, t, g, g, 1.0, -100), ValueError, "grad_logprob must be torch.float32"),
         BadInput(GRAD_OP, (g[:3], None, logits, t, g, g, 1.0, -100), ValueError, r"grad_logprob shape \[3\] differs from targets shape \[4\]"),
         BadInput(GRAD_OP, (g, g[:2], logits, t, g, g, 1.0, -100), ValueError, r"grad_entropy shape \[2\] differs"),
         BadInput(GRAD_OP, (g, None, logits, t, g.half(), g, 1.0, -100), ValueError, "entropy must be torch.float32"),
         BadInput(GRAD_OP, (g, None, logits, t, g, g[None], 1.0, -100), ValueError, r"lse shape \[1, 4\] differs"),
-        BadInput(GRAD_OP, (g, None, logits, t, g, g, 0.0, -100), ValueError, "temperature must be a finite number > 0"),
+        BadInput(GRAD_OP, (g, None, logits, t, g, g, 1e-39, -100), ValueError, TEMPERATURE_OUT_OF_RANGE + "1e-39"),
     ]
     if device == "cpu":  # on CUDA an out-of-range target is a device-side assert (tests/test_logprob.py)
         bad += [
@@ -301,7 +329,8 @@ SPEC = OpSpec(
         OpDef(GRAD_OP, check_logprob_backward, reference_logprob_backward,
               lambda g, gh, logits, *rest: logits.new_empty(logits.shape)),
     ),
-    exports={"logprob": logprob, "logprob_backward": logprob_backward},
+    exports={"logprob": logprob, "logprob_backward": logprob_backward, "MIN_TEMPERATURE": MIN_TEMPERATURE,
+             "MAX_TEMPERATURE": MAX_TEMPERATURE},
     reference_fp32=reference_forward_fp32,
     samples=_samples,
     bad_inputs=_bad_inputs,

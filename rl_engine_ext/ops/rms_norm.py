@@ -20,6 +20,8 @@ multiples of the tile.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import contract, testing
@@ -65,8 +67,8 @@ def check_forward_args(op: str, x: torch.Tensor, weight: torch.Tensor, eps: floa
     if weight.dtype != x.dtype:
         raise _checks.fail(op, f"weight dtype {weight.dtype} differs from {x_name} dtype {x.dtype}")
     _checks.check_device(op, x_name, x, "weight", weight)
-    if eps < 0:
-        raise _checks.fail(op, f"eps must be >= 0, got {eps}")
+    if not eps >= 0:  # NaN too, as the C++ check
+        raise _checks.fail(op, f"eps must be >= 0, got {eps:g}")
 
 
 def check_like_x(op: str, name: str, t: torch.Tensor, x_name: str, x: torch.Tensor) -> None:
@@ -246,6 +248,8 @@ def _bad_inputs(device: str) -> list[BadInput]:
         BadInput("rms_norm", (x, w.view(2, 8), EPS), ValueError, "weight must be 1-D"),
         BadInput("rms_norm", (x, w.float(), EPS), ValueError, "weight dtype torch.float32 differs from x dtype"),
         BadInput("rms_norm", (x, w, -1.0), ValueError, "eps must be >= 0"),
+        BadInput("rms_norm", (x, w, math.nan), ValueError, "eps must be >= 0, got nan"),
+        BadInput("rms_norm_backward", (x, x, w, math.nan, None), ValueError, "eps must be >= 0, got nan"),
         BadInput("rms_norm", (x[0, 0], w[:1], EPS), ValueError, "at least one dimension"),
         BadInput("rms_norm", (x.double(), w.double(), EPS), ValueError, "unsupported dtype torch.float64 for x"),
         BadInput("rms_norm", (x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), EPS), ValueError,
