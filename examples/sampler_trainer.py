@@ -121,7 +121,7 @@ def run(model_type: str, device: str = "cpu", dims: str = "tiny", dtype: torch.d
         torch.manual_seed(0)
         with torch.no_grad():
             gen = rl.generate_with_logprobs(model, ids, mask, temperature=TEMPERATURE, max_new_tokens=new_tokens)
-        full = torch.cat([mask.bool(), gen.completion_mask[:, ids.shape[1]:]], 1)
+        full = gen.attention_mask  # the real tokens of gen.sequences: prompt (as generate repeats it), completion
         sequences = _real_rows(gen.sequences, full)
         sampled = _real_rows(gen.logprobs, full)
         completion = _real_rows(gen.completion_mask, full)

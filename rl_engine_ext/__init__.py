@@ -10,8 +10,8 @@ from . import _native, _shim
 from ._native import NATIVE_AVAILABLE, NATIVE_UNAVAILABLE_REASON, has_native_kernel
 from .ops import SPECS
 from .main_grad import fp32_grad_accumulation  # also binds the module rl_engine_ext.main_grad
-from .hf import (PatchHandle, apply_rl_align_to_llama, apply_rl_align_to_qwen2, apply_rl_align_to_qwen3,
-                 generate_with_logprobs, grad_accumulation_tile_tokens, patch, token_logprobs)
+from .hf import (Generation, PatchHandle, apply_rl_align_to_llama, apply_rl_align_to_qwen2, apply_rl_align_to_qwen3,
+                 generate_with_logprobs, grad_accumulation_tile_tokens, patch, patch_handle, token_logprobs, unpatch)
 from .aten_mode import batch_invariant_mode, is_batch_invariant_mode_enabled, set_batch_invariant_mode
 
 _shim.install()
@@ -23,7 +23,8 @@ for _spec in SPECS:
 __all__ = sorted(
     ["NATIVE_AVAILABLE", "NATIVE_UNAVAILABLE_REASON", "fp32_grad_accumulation", "has_native_kernel", "main_grad",
      "PatchHandle", "apply_rl_align_to_llama", "apply_rl_align_to_qwen2", "apply_rl_align_to_qwen3",
-     "generate_with_logprobs", "grad_accumulation_tile_tokens", "patch", "token_logprobs",
+     "Generation", "generate_with_logprobs", "grad_accumulation_tile_tokens", "patch", "patch_handle", "token_logprobs",
+     "unpatch",
      "batch_invariant_mode", "is_batch_invariant_mode_enabled", "set_batch_invariant_mode"]
     + [n for s in SPECS for n in s.exports]
 )

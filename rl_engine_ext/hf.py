@@ -23,17 +23,38 @@ the patched model also turns a 2-D mask into ``position_ids = cumsum(mask) - 1``
 given, so a left-padded row gives the bits of the same sequence alone (Hugging Face's default,
 ``arange``, shifts the positions of left-padded rows).
 
-Anything else (another model class, sliding windows, a non-default attention mask, dropout,
-dynamic RoPE) raises at patch time or at the call, never runs a non-invariant kernel silently.
+Anything else (another model class, sliding windows, a non-default attention mask, attention
+dropout, dynamic RoPE, transformers outside TRANSFORMERS_SUPPORTED) raises at patch time or at the
+call, never runs a non-invariant kernel silently.
+
+Life cycle. The patched forwards are ``functools.partial(<module-level function>, module)`` with no
+closures: a ``copy.deepcopy`` (TRL's reference model) or a ``torch.save``/``torch.load`` of a
+patched model is patched on its own modules and weights, with a PatchHandle of its own
+(``patch_handle(copy)``, ``unpatch(copy)``); the original and the copy revert independently. Every
+module of a patched model carries the patch's mark (``_rl_align_owner``), so:
+
+* a module attached later under a patched module (``peft.get_peft_model`` after patch, a resized
+  embedding, a new layer) is patched as it is attached, by patch()'s rules (a module registration
+  hook; eager or compiled), or refused there with an error naming it;
+* patches do not nest or overlap (``patch(model.model)`` then ``patch(model)``, or the reverse,
+  raises);
+* dropout modules (a LoRA's ``lora_dropout``) become the identity, and raise naming themselves if
+  they run in training mode with p > 0;
+* an nn.Linear / nn.Embedding subclass with its own forward (quantized layers) and a forward
+  replaced on the instance (accelerate's hooks) are refused, named; a parametrized Linear
+  (torch.nn.utils.parametrize: weight-only math) is patched.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import importlib.metadata
 import math
-import types
 import warnings
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -41,7 +62,7 @@ from torch import nn
 from . import main_grad as _mg
 from .ops.attention import attention_kvcache, attention_varlen
 from .ops.linear import LINEAR_GRAD_TILE_TOKENS
-from .ops.logprob import IGNORE_INDEX, logprob
+from .ops.logprob import IGNORE_INDEX, logprob, temperature_error
 from .ops.rms_norm import rms_norm_tile_rows
 from .ops.rope import rope
 from .ops.silu_and_mul import silu_and_mul
@@ -241,8 +262,20 @@ def register_attention() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Module forwards (bound per instance by patch())
+# Module forwards. patch() sets ``module.forward = functools.partial(<function below>, module)``:
+# module-level functions bound to the module alone (no closures), so a deepcopy or a pickle of a
+# patched model runs the copy's own modules (the partial's module maps to the copy; a pickle
+# stores the function by its qualified name).
 # ---------------------------------------------------------------------------------------------
+
+
+class RopeParams(NamedTuple):
+    """What the patched rotary embedding returns as the layers' ``position_embeddings`` (in place
+    of cos/sin tables): its fp32 ``inv_freq`` and ``attention_scaling``, which the patched
+    attention hands to ``rope``. Each forward reads them from the model it runs."""
+
+    inv_freq: torch.Tensor
+    attention_scaling: float
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -261,8 +294,20 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> None:
-    return None  # the patched attention applies rope from position_ids and this module's inv_freq
+def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> RopeParams:
+    return RopeParams(self.inv_freq.float(), float(self.attention_scaling))
+
+
+def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Dropout that drops nothing: the identity in eval mode or with p = 0 (what torch's dropout
+    returns then); in training with p > 0 it raises (random masks differ from call to call, so the
+    sampler's and the trainer's log-probs could not agree)."""
+    if self.training and self.p > 0:
+        raise ValueError(
+            f"rl_engine_ext: {_module_name(self)} ({type(self).__name__}, p={self.p}) would drop activations at random "
+            "in training mode, so two log-prob computations of the same tokens differ; set its p to 0 (e.g. "
+            "LoraConfig(lora_dropout=0)) or call model.eval() for the log-prob passes")
+    return x
 
 
 def _decoder_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
@@ -278,77 +323,197 @@ def _decoder_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mas
     return hidden_states + self.mlp(x)
 
 
-def _attention_forward(rotary: nn.Module) -> Callable[..., Any]:
-    def forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, position_ids: torch.Tensor | None = None, **kwargs: Any):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def _attention_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                       past_key_values=None, position_ids: torch.Tensor | None = None, **kwargs: Any):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        if position_ids is None:
-            raise ValueError("rl_align: the patched attention needs position_ids (the model's forward passes them)")
-        b, s = hidden_states.shape[:2]
-        shape = (b, s, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape)
-        k = self.k_proj(hidden_states).view(shape)
-        v = self.v_proj(hidden_states).view(shape)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        positions = position_ids.expand(b, s).contiguous() if position_ids.shape != (b, s) else position_ids
-        q, k = rope(q, k, positions, rotary.inv_freq.float(), "neox", "bshd", float(rotary.attention_scaling))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D], as caches and attention functions take them
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, rl_align_attention)
-        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
-                              dropout=self.attention_dropout if self.training else 0.0,
-                              sliding_window=getattr(self, "sliding_window", None), position_ids=position_ids, **kwargs)
-        return self.o_proj(out.reshape(b, s, -1)), weights
+    if position_ids is None:
+        raise ValueError("rl_align: the patched attention needs position_ids (the model's forward passes them)")
+    if not isinstance(position_embeddings, RopeParams):
+        raise ValueError("rl_align: the patched attention takes position_embeddings from the patched rotary embedding "
+                         f"(a RopeParams), got {type(position_embeddings).__name__}; call the patched model")
+    b, s = hidden_states.shape[:2]
+    shape = (b, s, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(shape)
+    k = self.k_proj(hidden_states).view(shape)
+    v = self.v_proj(hidden_states).view(shape)
+    if hasattr(self, "q_norm"):
+        q, k = self.q_norm(q), self.k_norm(k)
+    positions = position_ids.expand(b, s).contiguous() if position_ids.shape != (b, s) else position_ids
+    q, k = rope(q, k, positions, position_embeddings.inv_freq, "neox", "bshd", position_embeddings.attention_scaling)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D], as caches and attention functions take them
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, rl_align_attention)
+    out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
+                          dropout=self.attention_dropout if self.training else 0.0,
+                          sliding_window=getattr(self, "sliding_window", None), position_ids=position_ids, **kwargs)
+    return self.o_proj(out.reshape(b, s, -1)), weights
 
-    return forward
+
+_BASE_LEADING = ("input_ids", "attention_mask", "position_ids", "past_key_values")  # the families' first parameters
 
 
-def _base_model_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The base model's forward with position_ids from a 2-D attention mask when none are given
-    and no cache is filled yet: positions count real tokens, so padding moves no token."""
-    leading = ("input_ids", "attention_mask", "position_ids", "past_key_values")  # the families' first parameters
+def _base_model_forward(self: nn.Module, *args: Any, **kwargs: Any):
+    """The base model's (class) forward with position_ids from a 2-D attention mask when none are
+    given and no cache is filled yet: positions count real tokens, so padding moves no token."""
+    if len(args) <= len(_BASE_LEADING):
+        kwargs.update(zip(_BASE_LEADING, args))
+        args = ()
+    mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
+    if kwargs.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        seen = 0 if cache is None else cache.get_seq_length()
+        if isinstance(seen, torch.Tensor) and _capturing():
+            raise ValueError("rl_align: a CUDA-graph-captured step with a static cache needs position_ids "
+                             "(the cache length is on the device; generate() passes them)")
+        if seen == 0:
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return type(self).forward(self, *args, **kwargs)
 
-    def forward(self: nn.Module, *args: Any, **kwargs: Any):
-        if len(args) <= len(leading):
-            kwargs.update(zip(leading, args))
-            args = ()
-        mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
-        if kwargs.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            seen = 0 if cache is None else cache.get_seq_length()
-            if isinstance(seen, torch.Tensor) and _capturing():
-                raise ValueError("rl_align: a CUDA-graph-captured step with a static cache needs position_ids "
-                                 "(the cache length is on the device; generate() passes them)")
-            if seen == 0:
-                kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        return original(*args, **kwargs)
 
-    return forward
+_PATCHED_FORWARDS = frozenset({_linear_forward, _embedding_forward, _norm_forward, _mlp_forward, _rotary_forward,
+                               _dropout_forward, _decoder_forward, _attention_forward, _base_model_forward})
+# torch's dropout modules (nn.Dropout, Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout): the
+# identity in eval mode and at p = 0.
+_TORCH_DROPOUT_FORWARDS = frozenset(cls.forward for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+                                                            nn.AlphaDropout, nn.FeatureAlphaDropout))
+
+
+def _is_patched_forward(forward: Any) -> bool:
+    return isinstance(forward, functools.partial) and forward.func in _PATCHED_FORWARDS
 
 
 # ---------------------------------------------------------------------------------------------
 # patch()
 # ---------------------------------------------------------------------------------------------
 
+_OWNER = "_rl_align_owner"  # on every module of a patched model: the patch's _Owner
+_HANDLE = "_rl_align_patch"  # on the model given to patch(): its PatchHandle
+
+# The transformers versions the patch is written for ([low, high) on the release number): the
+# attention/mask interfaces and the model code it replaces are transformers 5's (tested: 5.17).
+TRANSFORMERS_SUPPORTED = ((5, 0), (6, 0))
+
+
+class _Owner:
+    """The mark a patch leaves on each module it covers (``module._rl_align_owner``). It knows its
+    live PatchHandle through a weak reference; a copy of the mark (a deepcopy or pickle of a part
+    of a patched model) knows none until a copied PatchHandle claims it: modules whose mark has no
+    live handle are patched modules that no patch owns (an "orphan" copy), which a patch adopts."""
+
+    __slots__ = ("handle", "__weakref__")
+
+    def __init__(self) -> None:
+        self.handle: weakref.ref | None = None
+
+    def __reduce__(self):
+        return (_Owner, ())
+
+    def live(self) -> "PatchHandle | None":
+        handle = self.handle() if self.handle is not None else None
+        return handle if handle is not None and handle.live else None
+
+
+def _owner_of(module: nn.Module) -> "PatchHandle | None":
+    owner = vars(module).get(_OWNER)
+    return owner.live() if owner is not None else None
+
+
+_ROUNDING_PINS = [0]  # live patched models; the inductor setting goes back when the last is reverted (or freed)
+
+
+def _pin_rounding_points() -> None:
+    """Inductor would sum the gradients of a tensor used by several ops (q/k/v projections of one
+    input) in fp32 and round once, where eager autograd rounds after each add; with
+    emulate_precision_casts it rounds where eager does, so compiled and eager training agree."""
+    import torch._inductor.config as inductor_config
+
+    if _ROUNDING_PINS[0] == 0:
+        _ROUNDING_PINS.append(inductor_config.emulate_precision_casts)
+        inductor_config.emulate_precision_casts = True
+    _ROUNDING_PINS[0] += 1
+
+
+def _unpin_rounding_points() -> None:
+    import torch._inductor.config as inductor_config
+
+    _ROUNDING_PINS[0] -= 1
+    if _ROUNDING_PINS[0] == 0:
+        inductor_config.emulate_precision_casts = _ROUNDING_PINS.pop()
+
 
 class PatchHandle:
-    """What patch() returns: ``.revert()`` restores the model; also a context manager."""
+    """What patch() returns, also stored on the patched model (``rl_engine_ext.patch_handle(model)``):
+    ``.revert()`` (or ``rl_engine_ext.unpatch(model)``) restores the model; also a context manager.
 
-    def __init__(self, model: nn.Module, undo: list[Callable[[], None]]):
+    A deepcopy or a pickle round trip of a patched model carries a handle of its own: the copy is
+    patched on its own modules and weights and is reverted on its own (``unpatch(copy)``);
+    reverting the original leaves the copy patched and vice versa. Modules attached to a patched
+    model later (a LoRA adapter, a resized embedding, a new layer) are patched when they are
+    attached, by the same rules as patch(), or refused with an error naming them."""
+
+    def __init__(self, model: nn.Module, owner: _Owner, prefix: str, previous_attn_implementation: Any):
         self.model = model
-        self._undo = undo
+        self.live = True
+        self._owner = owner
+        self._prefix = prefix
+        self._previous = previous_attn_implementation
+        self._activate()
+
+    def _activate(self) -> None:
+        """Claims the modules' mark and holds a rounding pin until revert() or until the handle is
+        freed (a dropped copy gives its pin back)."""
+        self._owner.handle = weakref.ref(self)
+        _pin_rounding_points()
+        self._release = weakref.finalize(self, _unpin_rounding_points)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_release", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A deepcopy or unpickle: a live handle claims the copied modules' mark (the copied _Owner)
+        and takes a pin of its own; in a fresh process, "rl_align" is registered with transformers."""
+        self.__dict__.update(state)
+        if self.live:
+            register_attention()
+            self._activate()
 
     def revert(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        """Restores every module of the model that this patch covers (the modules attached since
+        included) and the attention implementation. Idempotent."""
+        if not self.live:
+            return
+        owner = self._owner
+        for module in self.model.modules():
+            if vars(module).get(_OWNER) is owner:
+                if _is_patched_forward(vars(module).get("forward")):
+                    del module.__dict__["forward"]
+                del module.__dict__[_OWNER]
+        self.model.config._attn_implementation = self._previous
+        if vars(self.model).get(_HANDLE) is self:
+            del self.model.__dict__[_HANDLE]
+        self.live = False
+        owner.handle = None
+        self._release()
+
+    def _adopt(self, child: nn.Module, where: Callable[[], str]) -> None:
+        """A module being attached under a module of this patch: patch it and its submodules by
+        patch()'s rules (raising, before anything changes, for a module it cannot run)."""
+        plan, kept = _plan(child.named_modules(), self._prefix, self._owner, "rl_engine_ext.patch",
+                           where, attached=True)
+        _apply(plan, self._owner)
+        _warn_kept(kept)
 
     def __enter__(self) -> "PatchHandle":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.revert()
+
+    def __repr__(self) -> str:
+        return f"<rl_engine_ext.PatchHandle of {type(self.model).__name__} ({'live' if self.live else 'reverted'})>"
 
 
 def _family(model: nn.Module) -> str:
@@ -360,6 +525,31 @@ def _family(model: nn.Module) -> str:
     return MODEL_FAMILIES[model_type]
 
 
+def _check_transformers_version() -> None:
+    """The installed transformers (from its package metadata) against TRANSFORMERS_SUPPORTED."""
+    from packaging.version import InvalidVersion, Version
+
+    low, high = TRANSFORMERS_SUPPORTED
+    want = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    try:
+        installed = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"rl_engine_ext.patch: transformers is not installed (supported: transformers{want})") from None
+    try:
+        release = Version(installed).release
+    except InvalidVersion:
+        release = ()
+    if not low <= tuple(release[:2]) < high:
+        raise ValueError(f"rl_engine_ext.patch: transformers {installed} is not supported (supported: transformers{want}; "
+                         "the patch replaces transformers 5's model code and attention/mask interfaces)")
+
+
+def _check_rope(what: str, rotary: nn.Module) -> None:
+    if getattr(rotary, "rope_type", "default") not in STATIC_ROPE_TYPES:
+        raise ValueError(f"{what}: rope_type {rotary.rope_type!r} rescales inv_freq per sequence length (not batch "
+                         f"invariant); supported: {STATIC_ROPE_TYPES}")
+
+
 def _check_config(model: nn.Module, rotary: nn.Module) -> None:
     config = model.config
     what = f"rl_engine_ext.patch({type(model).__name__})"
@@ -369,83 +559,167 @@ def _check_config(model: nn.Module, rotary: nn.Module) -> None:
         raise ValueError(f"{what}: sliding-window attention is not supported")
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(f"{what}: attention_dropout = {config.attention_dropout} is not supported (set it to 0)")
-    if getattr(rotary, "rope_type", "default") not in STATIC_ROPE_TYPES:
-        raise ValueError(f"{what}: rope_type {rotary.rope_type!r} rescales inv_freq per sequence length (not batch "
-                         f"invariant); supported: {STATIC_ROPE_TYPES}")
+    _check_rope(what, rotary)
     if not getattr(config, "is_causal", True):
         raise ValueError(f"{what}: bidirectional attention is not supported")
 
 
-_ROUNDING_PINS = [0]  # patched models alive; the inductor setting goes back when the last is reverted
+def _forward_for(what: str, name: str, module: nn.Module, prefix: str) -> Callable[..., Any] | None:
+    """The patched forward of a module (None: left as it is), or ValueError for a module whose
+    math patch() cannot see (a subclass of a patched class with its own forward)."""
+    cls, kind = type(module), type(module).__name__
+    for base_class, forward in ((nn.Linear, _linear_forward), (nn.Embedding, _embedding_forward)):
+        if isinstance(module, base_class):
+            if cls.forward is not base_class.forward:
+                raise ValueError(
+                    f"{what}: {name} ({cls.__module__}.{kind}) subclasses nn.{base_class.__name__} with its own forward "
+                    "(a quantized or adapter layer?), which patch() cannot run on batch-invariant kernels; use a plain "
+                    f"nn.{base_class.__name__} there (e.g. dequantize, or merge the adapter)")
+            return forward
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        if cls.forward not in _TORCH_DROPOUT_FORWARDS:
+            raise ValueError(f"{what}: {name} ({cls.__module__}.{kind}) is a dropout module with its own forward; "
+                             "use nn.Dropout (p = 0 in training)")
+        return _dropout_forward
+    if kind == f"{prefix}RotaryEmbedding":
+        _check_rope(f"{what}: {name}", module)
+        return _rotary_forward
+    return {
+        f"{prefix}RMSNorm": _norm_forward,
+        f"{prefix}MLP": _mlp_forward,
+        f"{prefix}DecoderLayer": _decoder_forward,
+        f"{prefix}Attention": _attention_forward,
+        f"{prefix}Model": _base_model_forward,
+    }.get(kind)
 
 
-def _keep_rounding_points_under_inductor() -> Callable[[], None]:
-    """Inductor would sum the gradients of a tensor used by several ops (q/k/v projections of one
-    input) in fp32 and round once, where eager autograd rounds after each add; with
-    emulate_precision_casts it rounds where eager does, so compiled and eager training agree."""
-    import torch._inductor.config as inductor_config
+def _plan(named_modules, prefix: str, owner: _Owner, what: str, where: Callable[[], str], attached: bool = False):
+    """([(module, patched forward or None)], names of modules left with parameters on torch's
+    kernels) for the modules to be covered by ``owner``'s patch; raises before anything changes."""
+    plan, kept = [], []
+    where = functools.cache(where)  # the attach point's name: one walk of the model per attachment
+    for name, module in named_modules:
+        mark = vars(module).get(_OWNER)
+        if mark is owner:
+            continue  # already covered by this patch (an adapter's base layer, a module attached again)
+        full = ".".join(p for p in (where(), name) if p) or "the model"
+        kind = type(module).__name__
+        other = mark.live() if mark is not None else None
+        if other is not None:
+            raise ValueError(
+                f"{what}: {full} ({kind}) is already patched (by rl_engine_ext.patch of a {type(other.model).__name__}); "
+                "patches cannot nest or overlap: patch the outermost model once, or revert the other patch first "
+                "(rl_engine_ext.unpatch)" + ("; a module of one patched model cannot be attached to another" if attached
+                                              else ""))
+        forward = vars(module).get("forward")
+        if forward is not None and not _is_patched_forward(forward):
+            raise ValueError(
+                f"{what}: {full} ({kind}) has its forward replaced on the instance ({forward!r}: an accelerate hook, a "
+                "monkey patch, ...), which patch() would bypass; patch the model before adding such hooks, or remove them")
+        patched = _forward_for(what, full, module, prefix)
+        plan.append((module, patched))
+        in_parametrization = ".parametrizations." in f".{full}."  # weight-only math (torch.nn.utils.parametrize)
+        if patched is None and not in_parametrization and any(True for _ in module.parameters(recurse=False)):
+            kept.append(f"{full} ({kind})")
+    return plan, kept
 
-    if _ROUNDING_PINS[0] == 0:
-        _ROUNDING_PINS.append(inductor_config.emulate_precision_casts)
-        inductor_config.emulate_precision_casts = True
-    _ROUNDING_PINS[0] += 1
 
-    def release() -> None:
-        _ROUNDING_PINS[0] -= 1
-        if _ROUNDING_PINS[0] == 0:
-            inductor_config.emulate_precision_casts = _ROUNDING_PINS.pop()
+def _apply(plan, owner: _Owner) -> None:
+    for module, forward in plan:
+        if forward is not None:
+            module.__dict__["forward"] = functools.partial(forward, module)
+        elif _is_patched_forward(vars(module).get("forward")):
+            del module.__dict__["forward"]  # an orphan copy's patched module that is no longer patched
+        module.__dict__[_OWNER] = owner
 
-    return release
+
+def _warn_kept(kept: list[str]) -> None:
+    if kept:
+        warnings.warn(f"rl_engine_ext.patch: left on torch's kernels (not batch invariant): {', '.join(kept)}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _module_name(module: nn.Module) -> str:
+    """The module's name in its patched model (for messages)."""
+    handle = _owner_of(module)
+    if handle is not None:
+        for name, m in handle.model.named_modules():
+            if m is module:
+                return name or type(m).__name__
+    return type(module).__name__
+
+
+def _on_module_registration(parent: nn.Module, name: str, child: nn.Module | None):
+    """torch's global module-registration hook: a module attached under a module of a live patch
+    is patched (or refused) as it is attached, eager or not."""
+    if child is None or torch.compiler.is_compiling():
+        return None
+    handle = _owner_of(parent)
+    if handle is not None:
+        handle._adopt(child, lambda: ".".join(p for p in (_module_name(parent) if parent is not handle.model else "",
+                                                          name) if p))
+    return None
+
+
+_REGISTRATION_HOOK: list = []
+
+
+def _install_registration_hook() -> None:
+    if not _REGISTRATION_HOOK:
+        _REGISTRATION_HOOK.append(torch.nn.modules.module.register_module_module_registration_hook(
+            _on_module_registration))
 
 
 def patch(model: nn.Module) -> PatchHandle:
     """Runs ``model`` (a transformers Llama / Qwen2 / Qwen3 model: ``*ForCausalLM`` or the base
-    ``*Model``) on rl_align ops until ``.revert()``. Raises ValueError for a model or configuration
-    it cannot run invariantly; warns once naming any module with parameters it leaves on torch."""
+    ``*Model``, possibly inside a wrapper such as a PEFT model) on rl_align ops until ``.revert()``
+    (or ``rl_engine_ext.unpatch(model)``). Raises ValueError for a model or configuration it
+    cannot run invariantly (transformers outside TRANSFORMERS_SUPPORTED; a module already covered
+    by another patch: patches do not nest; an nn.Linear / nn.Embedding subclass with its own
+    forward; a forward replaced on the instance); warns once naming any module with parameters it
+    leaves on torch. Dropout modules (a LoRA's lora_dropout) become the identity, and raise if
+    they run in training mode with p > 0. Modules attached later are patched as they are attached."""
+    _check_transformers_version()
     prefix = _family(model)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
     rotary = getattr(base, "rotary_emb", None)
     if rotary is None or type(rotary).__name__ != f"{prefix}RotaryEmbedding":
         raise ValueError(f"rl_engine_ext.patch: {type(model).__name__} has no {prefix}RotaryEmbedding")
-    if getattr(model, "_rl_align_patched", False):
-        raise ValueError(f"rl_engine_ext.patch: {type(model).__name__} is already patched")
     _check_config(model, rotary)
+    owner = _Owner()
+    plan, kept = _plan(model.named_modules(), prefix, owner, "rl_engine_ext.patch", lambda: "")
     register_attention()
-    forwards: dict[str, Callable[..., Any]] = {
-        f"{prefix}RMSNorm": _norm_forward,
-        f"{prefix}MLP": _mlp_forward,
-        f"{prefix}DecoderLayer": _decoder_forward,
-        f"{prefix}RotaryEmbedding": _rotary_forward,
-        f"{prefix}Attention": _attention_forward(rotary),
-    }
-    undo: list[Callable[[], None]] = []
-    kept = []
-    for name, module in model.named_modules():
-        kind = type(module).__name__
-        if isinstance(module, nn.Linear):
-            forward = _linear_forward
-        elif isinstance(module, nn.Embedding):
-            forward = _embedding_forward
-        elif kind in forwards:
-            forward = forwards[kind]
-        elif module is base:
-            forward = _base_model_forward(module.forward)
-        else:
-            if any(True for _ in module.parameters(recurse=False)):
-                kept.append(f"{name} ({kind})")
-            continue
-        module.forward = types.MethodType(forward, module)
-        undo.append(lambda m=module: m.__dict__.pop("forward", None))
-    if kept:
-        warnings.warn(f"rl_engine_ext.patch: left on torch's kernels (not batch invariant): {', '.join(kept)}",
-                      RuntimeWarning, stacklevel=2)
-    undo.append(_keep_rounding_points_under_inductor())
+    _install_registration_hook()
     previous = model.config._attn_implementation
+    handle = PatchHandle(model, owner, prefix, previous)
+    _apply(plan, owner)
+    model.__dict__[_HANDLE] = handle
     model.config._attn_implementation = IMPLEMENTATION
-    undo.append(lambda: setattr(model.config, "_attn_implementation", previous))
-    model._rl_align_patched = True
-    undo.append(lambda: model.__dict__.pop("_rl_align_patched", None))
-    return PatchHandle(model, undo)
+    _warn_kept(kept)
+    return handle
+
+
+def patch_handle(model: nn.Module) -> PatchHandle | None:
+    """The live PatchHandle of the patch covering ``model`` (or, for a wrapper such as a PEFT
+    model, its decoder): the one patch() returned, or a copy's own after a deepcopy / pickle round
+    trip. None if not patched."""
+    handle = _owner_of(model)
+    if handle is None and isinstance(model, nn.Module) and hasattr(model, "get_decoder"):
+        decoder = model.get_decoder()
+        handle = _owner_of(decoder) if isinstance(decoder, nn.Module) else None
+    return handle
+
+
+def unpatch(model: nn.Module) -> None:
+    """Reverts the patch of ``model`` (the model given to patch(), a deepcopy or unpickled copy of
+    one, or a wrapper around one): ``patch_handle(model).revert()``."""
+    handle = patch_handle(model)
+    if handle is None:
+        raise ValueError(f"rl_engine_ext.unpatch: {type(model).__name__} is not patched")
+    if _owner_of(model) is handle and handle.model is not model:
+        raise ValueError(f"rl_engine_ext.unpatch: {type(model).__name__} is a part of a patched "
+                         f"{type(handle.model).__name__}; unpatch that model (the one given to patch())")
+    handle.revert()
 
 
 def grad_accumulation_tile_tokens(model: nn.Module) -> int:
@@ -490,14 +764,81 @@ def _patch_family(model: nn.Module, model_type: str) -> PatchHandle:
 # Log-probs for RL: trainer and sampler, one arithmetic
 # ---------------------------------------------------------------------------------------------
 
+# A temperature T scales logits by float32(1 / T) in the log-prob kernels: T must be finite, > 0,
+# and 1 / T must round to a finite float32 (below this bound).
+def _check_temperature(fn: str, temperature: Any) -> float:
+    """The log-prob ops' temperature rule (ops.logprob.temperature_error), checked before generate()
+    or the forward start."""
+    if isinstance(temperature, bool):
+        raise ValueError(f"rl_engine_ext.{fn}: temperature must be a number, got {temperature!r}")
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"rl_engine_ext.{fn}: temperature must be a number, got {type(temperature).__name__}") from None
+    error = temperature_error(t)
+    if error is not None:
+        raise ValueError(f"rl_engine_ext.{fn}: {error}")
+    return t
 
-def _lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
-    if not getattr(model, "_rl_align_patched", False):
-        raise ValueError("rl_engine_ext: patch the model first (rl_engine_ext.patch(model))")
-    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(lm_head, nn.Linear):
-        raise ValueError(f"rl_engine_ext: {type(model).__name__} has no nn.Linear LM head (use a *ForCausalLM)")
-    return model.get_decoder(), lm_head
+
+def _lm_head(model: nn.Module, fn: str) -> tuple[nn.Module, nn.Module, torch.dtype, bool]:
+    """(decoder, LM head, the head's logits dtype, whether the head is a patched nn.Linear, which
+    goes through linear_logprob; any other patched head, e.g. a LoRA-wrapped one, has its logits
+    materialised and goes through logprob, as the sampler does)."""
+    if patch_handle(model) is None:
+        raise ValueError(f"rl_engine_ext.{fn}: patch the model first (rl_engine_ext.patch(model))")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if not isinstance(head, nn.Module) or not isinstance(decoder, nn.Module):
+        raise ValueError(f"rl_engine_ext.{fn}: {type(model).__name__} has no LM head (use a *ForCausalLM)")
+    if _owner_of(head) is None or _owner_of(decoder) is None:
+        raise ValueError(f"rl_engine_ext.{fn}: the LM head ({type(head).__name__}) or the decoder of "
+                         f"{type(model).__name__} is not covered by its patch")
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"rl_engine_ext.{fn}: the LM head {type(head).__name__} has no weight tensor (the logits "
+                         "dtype is read from it)")
+    plain = isinstance(head, nn.Linear) and _is_patched_forward(vars(head).get("forward"))
+    return decoder, head, weight.dtype, plain
+
+
+def _packed_layout(fn: str, input_ids: torch.Tensor, cu_seqlens: Any, max_seqlen: Any) -> int:
+    """Checks packed sequences' cu_seqlens (on the host: one read of N + 1 values) and returns
+    max_seqlen (the longest sequence when not given)."""
+    what = f"rl_engine_ext.{fn}"
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"{what}: cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: cu_seqlens must be torch.int32 or torch.int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{what}: cu_seqlens must be 1-D [N + 1] (sequence boundaries from 0 to the token count), "
+                         f"got shape {list(cu_seqlens.shape)}")
+    if cu_seqlens.device != input_ids.device:
+        raise ValueError(f"{what}: cu_seqlens is on {cu_seqlens.device}, input_ids on {input_ids.device}")
+    if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+        raise ValueError(f"{what}: with cu_seqlens, input_ids must be [T] or [1, T] (packed), got shape "
+                         f"{list(input_ids.shape)}")
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0):
+        raise ValueError(f"{what}: max_seqlen must be an int >= 0 (the longest sequence), got {max_seqlen!r}")
+    if torch.compiler.is_compiling():  # no host reads while tracing: the values go unchecked
+        return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
+    total = input_ids.numel()
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"{what}: cu_seqlens must start at 0, got {bounds[0]}")
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if any(n < 0 for n in lengths):
+        i = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"{what}: cu_seqlens must be non-decreasing, got {bounds[i]} then {bounds[i + 1]} "
+                         f"at entries {i}, {i + 1}")
+    if bounds[-1] != total:
+        raise ValueError(f"{what}: cu_seqlens must end at the token count of input_ids ({total}), got {bounds[-1]}")
+    longest = max(lengths, default=0)
+    if max_seqlen is None:
+        return longest
+    if max_seqlen < longest:
+        raise ValueError(f"{what}: max_seqlen {max_seqlen} is less than the longest sequence in cu_seqlens ({longest})")
+    return max_seqlen
 
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -505,29 +846,42 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
                    return_entropy: bool = False):
     """The trainer's per-token log-probs: ``out[..., t] = log p(input_ids[..., t] | tokens before t
     of its sequence)`` under ``softmax(logits / temperature)``, fp32, 0 at each sequence's first
-    token and at padding; differentiable. Through ``linear_logprob`` (no [T, V] logits), bit for bit
-    what ``generate_with_logprobs`` records for the same tokens.
+    token and at padding; differentiable. Through ``linear_logprob`` (no [T, V] logits; an LM head
+    other than a plain nn.Linear, e.g. a LoRA-wrapped one, gives its logits to ``logprob``), bit
+    for bit what ``generate_with_logprobs`` records for the same tokens.
 
     Padded: ``input_ids`` [B, S] with ``attention_mask`` [B, S] (one run of real tokens per row;
-    None: all real). Packed: ``input_ids`` [T] (or [1, T]) with ``cu_seqlens`` [N + 1]
-    (``max_seqlen``: the longest sequence, read from cu_seqlens when not given)."""
-    base, lm_head = _lm_parts(model)
+    None: all real), e.g. a Generation's ``sequences`` and ``attention_mask``. Packed:
+    ``input_ids`` [T] (or [1, T]) with ``cu_seqlens`` [N + 1] (int32/int64, from 0 to T,
+    non-decreasing; read on the host) and ``max_seqlen`` (the longest sequence, read from
+    cu_seqlens when not given)."""
+    fn = "token_logprobs"
+    temperature = _check_temperature(fn, temperature)
+    base, lm_head, head_dtype, plain_head = _lm_head(model, fn)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"rl_engine_ext.{fn}: input_ids must be an integer tensor of token ids, got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
     if cu_seqlens is not None:
         if attention_mask is not None:
-            raise ValueError("rl_engine_ext.token_logprobs: give attention_mask or cu_seqlens, not both")
+            raise ValueError(f"rl_engine_ext.{fn}: give attention_mask or cu_seqlens, not both")
+        max_seqlen = _packed_layout(fn, input_ids, cu_seqlens, max_seqlen)
         ids = input_ids.reshape(1, -1)
         total = ids.shape[1]
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        if max_seqlen is None:
-            max_seqlen = int(lengths.max()) if lengths.numel() else 0
         starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
         positions = (torch.arange(total, device=ids.device) - starts).unsqueeze(0)
-        real = torch.ones_like(ids, dtype=torch.bool)
         batch = packed_batch(cu_seqlens, max_seqlen)
         follows = torch.ones(total, dtype=torch.bool, device=ids.device)
         follows[cu_seqlens[:-1].long().clamp(max=max(total - 1, 0))] = False  # a sequence's first token
         follows = follows.unsqueeze(0)
     else:
+        if input_ids.dim() != 2:
+            raise ValueError(f"rl_engine_ext.{fn}: input_ids must be [B, S] (or packed [T] with cu_seqlens), got "
+                             f"shape {list(input_ids.shape)}")
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                           or attention_mask.shape != input_ids.shape):
+            raise ValueError(f"rl_engine_ext.{fn}: attention_mask must be a tensor of input_ids' shape "
+                             f"{list(input_ids.shape)}, got {list(getattr(attention_mask, 'shape', []))}")
         ids = input_ids
         real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
@@ -540,7 +894,10 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     # token count, as for every other linear (fp32_grad_accumulation's tiles).
     targets = torch.full_like(ids, IGNORE_INDEX)
     targets[:, :-1] = torch.where(follows[:, 1:], ids[:, 1:], IGNORE_INDEX)
-    lp = _mg.linear_logprob(hidden, lm_head.weight, targets, temperature, return_entropy, lm_head.bias)
+    if plain_head:
+        lp = _mg.linear_logprob(hidden, lm_head.weight, targets, temperature, return_entropy, lm_head.bias)
+    else:  # the head's logits, rounded as the sampler rounds generate()'s fp32 copy of them
+        lp = logprob(lm_head(hidden).to(head_dtype), targets, temperature, return_entropy)
     lp, entropy = lp if return_entropy else (lp, None)
     shift = lambda t: torch.cat([t.new_zeros(t.shape[0], 1), t[:, :-1]], dim=1).reshape(input_ids.shape)
     return (shift(lp), shift(entropy)) if return_entropy else shift(lp)
@@ -548,28 +905,78 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 @dataclasses.dataclass
 class Generation:
-    """generate_with_logprobs' result: ``sequences`` [B, P + N] (prompts as given, then the new
-    tokens), ``logprobs`` fp32 [B, P + N] (each sampled token's log-prob, 0 elsewhere) and
-    ``completion_mask`` [B, P + N] (the sampled tokens up to and including an end-of-sequence
-    token)."""
+    """generate_with_logprobs' result, rows as generate() returns them (with
+    ``num_return_sequences = n``, n consecutive rows per prompt):
+
+    * ``sequences`` [B * n, P + N]: the prompts as given, then the new tokens;
+    * ``logprobs`` fp32 [B * n, P + N]: each sampled token's log-prob, 0 elsewhere;
+    * ``completion_mask`` bool [B * n, P + N]: the sampled tokens up to and including an
+      end-of-sequence token;
+    * ``attention_mask`` bool [B * n, P + N]: the real tokens of ``sequences`` (each prompt's mask,
+      repeated as its rows, then ``completion_mask``): the trainer's recipe is
+      ``token_logprobs(model, gen.sequences, gen.attention_mask, temperature=T)``, equal to
+      ``gen.logprobs`` on ``gen.completion_mask`` bit for bit."""
 
     sequences: torch.Tensor
     logprobs: torch.Tensor
     completion_mask: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+# Decoding modes whose recorded logits are one row per sequence and step, for the sampled token.
+_GENERATION_MODES = ("greedy_search", "sample")
+
+
+def _check_generate_kwargs(model: nn.Module, kwargs: dict) -> None:
+    fn = "rl_engine_ext.generate_with_logprobs"
+    for name in ("output_logits", "return_dict_in_generate"):
+        if name in kwargs:
+            if not kwargs.pop(name):
+                raise ValueError(f"{fn}: {name}=False is not supported (the log-probs are read from generate()'s "
+                                 "logits)")
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError(f"{fn}: custom_generate is not supported (the log-probs need generate()'s own decoding loop)")
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    for name, value in kwargs.items():  # generate()'s merge, without its validation (generate validates)
+        if name != "generation_config" and hasattr(config, name):
+            setattr(config, name, value)
+    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    if mode not in _GENERATION_MODES:
+        settings = {k: getattr(config, k, None) for k in ("num_beams", "num_beam_groups", "penalty_alpha", "dola_layers",
+                                                          "constraints", "force_words_ids", "prompt_lookup_num_tokens",
+                                                          "assistant_early_exit", "use_mtp")}
+        given = ", ".join(f"{k}={v!r}" for k, v in settings.items() if v not in (None, 1, False))
+        if kwargs.get("assistant_model") is not None:
+            given = ", ".join(filter(None, ["assistant_model", given]))
+        raise ValueError(f"{fn}: {getattr(mode, 'value', mode)} ({given}) is not supported: the log-probs are recorded "
+                         "for sampling or greedy decoding only (one row per sequence and step, no beams, no "
+                         "assistant); use do_sample=True (or False) with num_beams=1")
 
 
 def generate_with_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                            temperature: float = 1.0, **generate_kwargs: Any) -> Generation:
-    """The sampler: ``model.generate`` (left-padded prompts, any cache) recording each sampled
-    token's log-prob under ``softmax(logits / temperature)`` with ``logprob`` on the LM head's
-    logits, the arithmetic ``token_logprobs`` uses, so the two agree bit for bit. Samples from the
-    full distribution (top_k=0, top_p=1) unless generate_kwargs say otherwise."""
-    _, lm_head = _lm_parts(model)
+    """The sampler: ``model.generate`` (left-padded prompts, any cache, ``num_return_sequences``)
+    recording each sampled token's log-prob under ``softmax(logits / temperature)`` with
+    ``logprob`` on the LM head's logits, the arithmetic ``token_logprobs`` uses, so the two agree
+    bit for bit. Samples from the full distribution (top_k=0, top_p=1) unless generate_kwargs say
+    otherwise. Sampling and greedy decoding only: beam search, assisted / DoLa / contrastive
+    decoding and custom_generate raise."""
+    fn = "generate_with_logprobs"
+    temperature = _check_temperature(fn, temperature)
+    _, _, head_dtype, _ = _lm_head(model, fn)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"rl_engine_ext.{fn}: input_ids must be integer token ids [B, P], got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {list(getattr(input_ids, 'shape', []))}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        raise ValueError(f"rl_engine_ext.{fn}: attention_mask must be a tensor of input_ids' shape "
+                         f"{list(input_ids.shape)}, got {list(getattr(attention_mask, 'shape', []))}")
     generate_kwargs.setdefault("do_sample", True)
     generate_kwargs.setdefault("top_k", 0)
     generate_kwargs.setdefault("top_p", 1.0)
     if generate_kwargs["do_sample"]:
         generate_kwargs["temperature"] = temperature
+    _check_generate_kwargs(model, generate_kwargs)
     out = model.generate(input_ids, attention_mask=attention_mask, output_logits=True, return_dict_in_generate=True,
                          **generate_kwargs)
     prompt = input_ids.shape[1]
@@ -577,7 +984,7 @@ def generate_with_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_
     logprobs = torch.zeros(out.sequences.shape, dtype=torch.float32, device=new_tokens.device)
     # generate keeps each step's raw logits as an exact fp32 copy of the LM head's output.
     for step, logits in enumerate(out.logits):
-        logprobs[:, prompt + step] = logprob(logits.to(lm_head.weight.dtype), new_tokens[:, step], temperature)
+        logprobs[:, prompt + step] = logprob(logits.to(head_dtype), new_tokens[:, step], temperature)
     completion = torch.zeros_like(out.sequences, dtype=torch.bool)
     completion[:, prompt:] = True
     eos = model.generation_config.eos_token_id
@@ -586,4 +993,11 @@ def generate_with_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_
         after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
         completion[:, prompt:] = ~after_eos
     logprobs = torch.where(completion, logprobs, 0.0)
-    return Generation(out.sequences, logprobs, completion)
+    # generate() repeats each prompt's row num_return_sequences times (repeat_interleave).
+    prompt_mask = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                   else attention_mask.to(torch.bool)).to(out.sequences.device)
+    repeats = out.sequences.shape[0] // max(input_ids.shape[0], 1)
+    if repeats != 1:
+        prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)
+    full_mask = torch.cat([prompt_mask, completion[:, prompt:]], dim=1)
+    return Generation(out.sequences, logprobs, completion, full_mask)

@@ -7,7 +7,9 @@
 #     on Linux x86-64: if no source offers a CPU build, nothing is installed and the script says
 #     how to install a torch yourself.
 #   * build/test tools: ninja, pybind11, pytest, hypothesis, matplotlib (benchmark plots),
-#     transformers (the model patch's tests and example).
+#     transformers (the model patch's tests and example), peft (LoRA on a patched model's tests;
+#     with --no-deps, so pip never resolves torch again: accelerate and psutil are its only
+#     requirements that transformers does not bring).
 #   * the package: pip install --no-build-isolation -e .  (RL_ENGINE_EXT_NO_NATIVE=1 skips the
 #     native build; see setup.py for the CUDA/ROCm arch variables).
 set -euo pipefail
@@ -57,5 +59,15 @@ done
 "$PY" -c "import transformers" 2>/dev/null || missing+=("transformers==5.17.0")
 if [ ${#missing[@]} -gt 0 ]; then
   "$PY" -m pip install -q "${missing[@]}"
+fi
+# peft (pure Python): tests/test_hf_patch.py's LoRA-after-patch test. --no-deps: its requirements
+# include torch; the rest (numpy, packaging, pyyaml, tqdm, safetensors, huggingface_hub,
+# transformers) come with transformers above.
+peft_missing=()
+for spec in psutil:psutil accelerate:accelerate==1.15.0 peft:peft==0.21.2; do
+  "$PY" -c "import ${spec%%:*}" 2>/dev/null || peft_missing+=("${spec#*:}")
+done
+if [ ${#peft_missing[@]} -gt 0 ]; then
+  "$PY" -m pip install -q --no-deps "${peft_missing[@]}"
 fi
 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --no-build-isolation -e .
