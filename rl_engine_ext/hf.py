@@ -781,6 +781,13 @@ def _check_temperature(fn: str, temperature: Any) -> float:
     return t
 
 
+def _check_mask_arg(fn: str, attention_mask: Any, input_ids: torch.Tensor) -> None:
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        raise ValueError(f"rl_engine_ext.{fn}: attention_mask must be a tensor of input_ids' shape "
+                         f"{list(input_ids.shape)}, got {list(getattr(attention_mask, 'shape', []))}")
+
+
 def _lm_head(model: nn.Module, fn: str) -> tuple[nn.Module, nn.Module, torch.dtype, bool]:
     """(decoder, LM head, the head's logits dtype, whether the head is a patched nn.Linear, which
     goes through linear_logprob; any other patched head, e.g. a LoRA-wrapped one, has its logits
@@ -878,10 +885,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         if input_ids.dim() != 2:
             raise ValueError(f"rl_engine_ext.{fn}: input_ids must be [B, S] (or packed [T] with cu_seqlens), got "
                              f"shape {list(input_ids.shape)}")
-        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                           or attention_mask.shape != input_ids.shape):
-            raise ValueError(f"rl_engine_ext.{fn}: attention_mask must be a tensor of input_ids' shape "
-                             f"{list(input_ids.shape)}, got {list(getattr(attention_mask, 'shape', []))}")
+        _check_mask_arg(fn, attention_mask, input_ids)
         ids = input_ids
         real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
@@ -967,10 +971,7 @@ def generate_with_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(f"rl_engine_ext.{fn}: input_ids must be integer token ids [B, P], got "
                          f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {list(getattr(input_ids, 'shape', []))}")
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                       or attention_mask.shape != input_ids.shape):
-        raise ValueError(f"rl_engine_ext.{fn}: attention_mask must be a tensor of input_ids' shape "
-                         f"{list(input_ids.shape)}, got {list(getattr(attention_mask, 'shape', []))}")
+    _check_mask_arg(fn, attention_mask, input_ids)
     generate_kwargs.setdefault("do_sample", True)
     generate_kwargs.setdefault("top_k", 0)
     generate_kwargs.setdefault("top_p", 1.0)
