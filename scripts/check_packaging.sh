@@ -35,7 +35,7 @@ quiet_pip "$TORCH_SPEC"
 quiet_pip "$wheel" pytest hypothesis "transformers==5.17.0"
 quiet_pip --no-deps psutil accelerate==1.15.0 peft==0.21.2  # bootstrap.sh: peft for the LoRA tests, never a second torch
 mkdir "$work/run"
-cp -r tests examples benchmarks scripts setup.py "$work/run/"  # not the package: it comes from the wheel
+cp -r tests examples benchmarks scripts docs setup.py README.md "$work/run/"  # not the package: it comes from the wheel
 cd "$work/run"
 "$venv_py" - <<'PY'
 import os, sys
