@@ -74,9 +74,10 @@ def native_extensions():
     csrc = "csrc"
 
     def sources(folder: str, ext: str) -> list[str]:
-        return sorted(glob.glob(os.path.join(csrc, folder, "*." + ext)))
+        return sorted(glob.glob(os.path.join(csrc, folder, "**", "*." + ext), recursive=True))
 
-    # Globs: a new op's files (csrc/{host,cpu,autograd,cuda}/<op>*) are picked up with no edit here.
+    # Globs: a new op's files (csrc/{host,cpu,autograd,cuda}/<op>*, or a folder of them such as
+    # csrc/cuda/attention/) are picked up with no edit here.
     cpu_sources = (
         [os.path.join(csrc, "registration.cpp")]
         + sources("host", "cpp")

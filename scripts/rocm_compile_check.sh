@@ -2,7 +2,7 @@
 # The ROCm build as far as a machine without a ROCm PyTorch can take it (CI): a copy of the
 # sources hipified by torch's own hipify with the arguments torch.utils.cpp_extension uses when
 # setup.py builds the ROCm extension (rocm wheel: scripts/build_wheel.sh rocm), then every
-# hipified kernel (csrc/hip/*.hip, torch-free) compiled with hipcc for the wheel's architectures.
+# hipified kernel (csrc/hip/**/*.hip, torch-free) compiled with hipcc for the wheel's architectures.
 # Not run here: the hipified launchers and bindings (they need a ROCm libtorch) and the kernels
 # on an AMD GPU.
 #   HIP_ARCHS: default "gfx90a;gfx940". The wheel targets gfx90a;gfx942; Debian's LLVM 15 hipcc
@@ -23,8 +23,8 @@ sources = sorted(glob.glob(os.path.join(root, "csrc", "**", "*.cpp"), recursive=
 result = hipify_python.hipify(project_directory=root, output_directory=root, header_include_dirs=[],
                               includes=[os.path.join(root, "*")], extra_files=sources, show_detailed=False,
                               show_progress=False, is_pytorch_extension=True, hipify_extra_files_only=True)
-kernels = sorted(glob.glob(os.path.join(root, "csrc", "hip", "*.hip")))
-cu = glob.glob(os.path.join(root, "csrc", "cuda", "*.cu"))
+kernels = sorted(glob.glob(os.path.join(root, "csrc", "hip", "**", "*.hip"), recursive=True))
+cu = glob.glob(os.path.join(root, "csrc", "cuda", "**", "*.cu"), recursive=True)
 assert len(kernels) == len(cu), f"hipify produced {len(kernels)} kernel files for {len(cu)} .cu sources"
 print(f"hipified {len(result)} files: {len(kernels)} kernel sources")
 PY
