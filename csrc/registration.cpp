@@ -35,6 +35,8 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(rl_align, m) {
 #define RL_ALIGN_SCHEMA(schema) m.def(schema);
+#define RL_ALIGN_RUNTIME_SCHEMA(schema) m.def(schema);
 #include "../rl_engine_ext/schemas.def"
+#undef RL_ALIGN_RUNTIME_SCHEMA
 #undef RL_ALIGN_SCHEMA
 }

@@ -648,6 +648,42 @@ def test_forcing_sm90_where_it_cannot_run_is_an_error(monkeypatch, dtype, head_d
 
 
 @pytest.mark.cuda
+def test_layout_sm90_cannot_address_is_decided_by_the_launcher(monkeypatch):
+    """A padded batch stored "sbhd" (sequences start between tokens: no tensor map addresses it):
+    on compute capability 9.0 forced sm90 is an error naming the layout, forward and backward
+    (never the sm80 kernels run under sm90's name), and the default path gives forced sm80's bits,
+    forward and gradients."""
+    b, hq, hkv, s, d = 3, 8, 2, 70, 128
+    q, k, v, dout = (_stored(randn(b, h, s, d, dtype=torch.bfloat16, device="cuda", seed=i), "sbhd")
+                     for i, h in enumerate((hq, hkv, hkv, hq)))
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+
+    def run():
+        for x in leaves:
+            x.grad = None
+        out, lse = rl_engine_ext.attention(*leaves, return_lse=True)
+        out.backward(dout)
+        return [out, lse] + [x.grad for x in leaves]
+
+    monkeypatch.setenv(PATH_ENV, "sm90")
+    if not _on_hopper():
+        with pytest.raises(RuntimeError, match=rf"{PATH_ENV}=sm90 cannot run"):
+            rl_engine_ext.attention(q, k, v)
+        return
+    cannot_run = rf"{PATH_ENV}=sm90 cannot run this layout \("
+    with pytest.raises(RuntimeError, match=cannot_run + "k's and v's layout: the batch dimension's stride"):
+        rl_engine_ext.attention(q, k, v)
+    monkeypatch.setenv(PATH_ENV, "sm80")
+    out = rl_engine_ext.attention(*leaves)
+    monkeypatch.setenv(PATH_ENV, "sm90")
+    with pytest.raises(RuntimeError, match=cannot_run + "q's and dout's layout: the batch dimension's stride"):
+        out.backward(dout)
+    default, sm80 = _default_and_sm80(monkeypatch, run)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), default, sm80):
+        _assert_equal(got, want, f"sbhd: default path vs sm80: {name}")
+
+
+@pytest.mark.cuda
 def test_unknown_gpu_path_is_an_error(monkeypatch):
     monkeypatch.setenv(PATH_ENV, "flash")
     q = torch.randn(1, 2, 4, 64, device="cuda", dtype=torch.bfloat16)
@@ -662,7 +698,7 @@ def test_unknown_gpu_path_is_an_error(monkeypatch):
 
 # Padded-batch storage orders, as permutations of a [B, H, S, D] view: "bhsd" contiguous, "bshd"
 # (Hugging Face's q.transpose(1, 2)), "sbhd" (batch rows inside the token dimension: the sm90 path's
-# tensor maps cannot address sequences there, and that path runs the sm80 kernels).
+# tensor maps cannot address sequences there, and the launcher runs the sm80 kernels instead).
 _STORAGE = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
 
 

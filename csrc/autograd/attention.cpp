@@ -1,7 +1,7 @@
-// Autograd of attention and attention_varlen (why C++: typed_op.h). The backward ops have no
+// Autograd of attention and attention_varlen (why C++: common.h). The backward ops have no
 // derivative of their own; attention_kvcache serves inference only and has no backward either.
-#include "../host/attention.h"
-#include "typed_op.h"
+#include "../common/attention_scale.h"
+#include "common.h"
 
 namespace rl_align {
 namespace {
@@ -32,7 +32,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [out, lse] = forward_op().call(q, k, v, padding_mask, scale, causal);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["mask"] = padding_mask.has_value() ? c10::IValue(*padding_mask) : c10::IValue();
-    ctx->saved_data["scale"] = attention_scale("attention", scale, q.size(-1));
+    ctx->saved_data["scale"] = attention_scale(scale, q.size(-1));
     ctx->saved_data["causal"] = causal;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
@@ -78,7 +78,7 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
     auto [out, lse] = forward_op().call(q, k, v, cu_seqlens, max_seqlen, scale, causal, validate);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens});
     ctx->saved_data["max_seqlen"] = max_seqlen.has_value() ? c10::IValue(*max_seqlen) : c10::IValue();
-    ctx->saved_data["scale"] = attention_scale("attention_varlen", scale, q.size(-1));
+    ctx->saved_data["scale"] = attention_scale(scale, q.size(-1));
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["validate"] = validate;
     ctx->mark_non_differentiable({lse});

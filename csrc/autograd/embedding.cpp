@@ -1,6 +1,6 @@
-// Autograd of embedding (why C++: typed_op.h): differentiable in weight only (ids are integers).
+// Autograd of embedding (why C++: common.h): differentiable in weight only (ids are integers).
 // embedding_grad_weight has no derivative of its own.
-#include "typed_op.h"
+#include "common.h"
 
 namespace rl_align {
 namespace {

@@ -1,5 +1,5 @@
-// Autograd of linear (why C++: typed_op.h). The gradient ops have no derivative of their own.
-#include "typed_op.h"
+// Autograd of linear (why C++: common.h). The gradient ops have no derivative of their own.
+#include "common.h"
 
 namespace rl_align {
 namespace {

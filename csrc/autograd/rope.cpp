@@ -1,8 +1,8 @@
-// Autograd of rope (why C++: typed_op.h): the backward is rope_backward, the transposed rotation,
+// Autograd of rope (why C++: common.h): the backward is rope_backward, the transposed rotation,
 // which needs only the positions and frequencies. rope_backward has no derivative of its own.
 #include <string>
 
-#include "typed_op.h"
+#include "common.h"
 
 namespace rl_align {
 namespace {

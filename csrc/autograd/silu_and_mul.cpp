@@ -1,6 +1,6 @@
-// Autograd of silu_and_mul and silu_mul (why C++: typed_op.h). The backward ops have no
+// Autograd of silu_and_mul and silu_mul (why C++: common.h). The backward ops have no
 // derivative of their own.
-#include "typed_op.h"
+#include "common.h"
 
 namespace rl_align {
 namespace {

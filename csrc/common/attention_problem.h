@@ -116,7 +116,7 @@ struct AttentionProblem {
   // [num_seqs][kAttentionSeqFields] int64, in the kernel's memory space (device for GPU paths).
   const int64_t* seqs = nullptr;
   // One int64 right after seqs, 0 when a forward starts: a path may record there that it must
-  // recompute (the sm80 forward: a non-finite result, attention_sm80.cu). Null: none.
+  // recompute (the sm80 forward: a non-finite result, cuda/attention/sm80_fwd.cu). Null: none.
   int64_t* status = nullptr;
   // Q[s][h][i][d] = q[seqs[s].q_base + i * q_stride_token + h * q_stride_head + d]; out, dout
   // and dq use the same offsets and strides.

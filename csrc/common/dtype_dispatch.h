@@ -2,7 +2,7 @@
 // GPU alike. Torch-free and GPU-runtime-free: a type map names each path's storage types.
 //
 //   GPU kernels:  dispatch_dtype<KernelTypes>(DType, f, unsupported)      (common/portability.h)
-//   CPU kernels:  dispatch_dtype<CpuKernelTypes>(at::ScalarType, f, ...)  (host/common.h)
+//   CPU kernels:  dispatch_dtype<CpuKernelTypes>(at::ScalarType, f, ...)  (cpu/cpu_dtype_dispatch.h)
 //
 // f is called as f(T{}) with T the storage type of the dtype; a dtype the map (or the path) does
 // not take calls unsupported() instead. Tensor-core paths (bf16/fp16 only) pass

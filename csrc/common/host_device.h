@@ -2,6 +2,8 @@
 // both call, so that one definition states the arithmetic for every path.
 #pragma once
 
+#include <cstdint>
+
 #ifndef RL_ALIGN_HOST_DEVICE
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define RL_ALIGN_HOST_DEVICE __host__ __device__ inline
@@ -36,3 +38,12 @@ RL_ALIGN_HOST_DEVICE float div_rn(float a, float b) {
   return a / b;
 #endif
 }
+
+namespace rl_align {
+
+// v rounded up to a multiple of `multiple` (> 0): padded row lengths, partition segments.
+RL_ALIGN_HOST_DEVICE constexpr int64_t round_up(int64_t v, int64_t multiple) {
+  return (v + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace rl_align

@@ -3,6 +3,7 @@
 
 #include "../host/attention.h"
 #include "../host/native_constants.h"
+#include "../host/provenance.h"
 #include "attention_cpu_kernels.h"
 
 namespace rl_align {
@@ -11,9 +12,11 @@ namespace {
 struct CpuBackend {
   static bool needs_aligned_operands(at::ScalarType, int64_t, const at::Tensor&) { return false; }
   static void fwd(const char*, at::ScalarType dtype, const AttentionProblem& p, const at::Tensor&) {
+    note_cpu_kernel("attention_fwd");
     attention_fwd_cpu(dtype, p);
   }
   static void bwd(const char*, at::ScalarType dtype, const AttentionGradProblem& p, const at::Tensor&) {
+    note_cpu_kernel("attention_bwd");
     attention_bwd_cpu(dtype, p);
   }
   static void refuse_graph_capture(const char*) {}

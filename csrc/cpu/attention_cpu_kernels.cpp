@@ -41,8 +41,8 @@
 #include <limits>
 #include <vector>
 
-#include "../host/common.h"
 #include "../primitives/micro_kernel_cpu.h"
+#include "cpu_dtype_dispatch.h"
 
 namespace rl_align {
 namespace {

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../host/embedding.h"
+#include "../host/provenance.h"
 #include "embedding_cpu_kernels.h"
 
 namespace rl_align {
@@ -19,6 +20,7 @@ struct CpuBackend {
   }
   static void fwd(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& out) {
     const at::Tensor ids64 = ids.to(at::kLong);
+    note_cpu_kernel("embedding_fwd");
     embedding_fwd_cpu(ids64.const_data_ptr<int64_t>(), ids64.numel(), weight.const_data_ptr(),
                       row_stride(weight), out.mutable_data_ptr(), weight.size(1),
                       weight.element_size());
@@ -26,6 +28,7 @@ struct CpuBackend {
   static void bwd(const at::Tensor& grad_rows, const at::Tensor& ids, int64_t padding_idx,
                   const float* accum, const at::Tensor& dweight) {
     const at::Tensor ids64 = ids.to(at::kLong);
+    note_cpu_kernel("embedding_bwd");
     embedding_bwd_cpu(grad_rows.scalar_type(), grad_rows.const_data_ptr(), row_stride(grad_rows),
                       ids64.const_data_ptr<int64_t>(), ids64.numel(), padding_idx, accum,
                       dweight.mutable_data_ptr<float>(), dweight.size(0), dweight.size(1));

@@ -13,7 +13,7 @@
 #include <numeric>
 #include <vector>
 
-#include "../host/common.h"
+#include "cpu_dtype_dispatch.h"
 
 namespace rl_align {
 namespace {

@@ -1,10 +1,9 @@
 // Torch binding of the logprob CPU kernels (logprob_cpu_kernels.cpp): the host flow is in
-// host/logprob.h; this backend supplies the target range check and the kernel calls. (linear_logprob is registered by the linear
-// binding, which owns the GEMM backend: host/linear_logprob.h.)
+// host/logprob.h; this backend supplies the target range check and the kernel calls.
 #include <torch/library.h>
 
 #include "../host/logprob.h"
-#include "../host/native_constants.h"
+#include "../host/provenance.h"
 #include "logprob_cpu_kernels.h"
 
 namespace rl_align {
@@ -16,17 +15,16 @@ struct CpuBackend {
     check_targets_in_range_cpu(op, targets, vocab, ignore_index);
   }
   static void fwd(const at::Tensor& logits, const LogprobOperands& a) {
+    note_cpu_kernel("logprob_fwd");
     logprob_fwd_cpu(logits.scalar_type(), a);
   }
   static void bwd(const at::Tensor& logits, const LogprobOperands& a) {
+    note_cpu_kernel("logprob_bwd");
     logprob_bwd_cpu(logits.scalar_type(), a);
   }
 };
 
 }  // namespace
-
-RL_ALIGN_NATIVE_CONSTANT(LINEAR_LOGPROB_CHUNK_ELEMENTS, kLinearLogprobChunkElements);
-RL_ALIGN_NATIVE_CONSTANT(LINEAR_LOGPROB_SLICE_COLUMNS, kLinearLogprobSliceColumns);
 
 TORCH_LIBRARY_IMPL(rl_align, CPU, m) {
   m.impl("logprob", &logprob_impl<CpuBackend>);

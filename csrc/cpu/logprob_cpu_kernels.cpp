@@ -9,7 +9,8 @@
 
 #include <algorithm>
 
-#include "../host/common.h"
+#include "../common/host_device.h"
+#include "cpu_dtype_dispatch.h"
 
 namespace rl_align {
 namespace {

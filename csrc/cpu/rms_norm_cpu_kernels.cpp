@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "../common/rms_norm_partition.h"
-#include "../host/common.h"
+#include "cpu_dtype_dispatch.h"
 
 namespace rl_align {
 namespace {

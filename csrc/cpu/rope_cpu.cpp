@@ -2,6 +2,7 @@
 // (host/rope.h); this backend supplies the kernel call.
 #include <torch/library.h>
 
+#include "../host/provenance.h"
 #include "../host/rope.h"
 #include "rope_cpu_kernels.h"
 
@@ -14,10 +15,12 @@ struct CpuBackend {
   }
   static void fwd(const char* op, at::ScalarType dtype, const RopeProblem& p, const at::Tensor& q) {
     check_input(op, q);
+    note_cpu_kernel("rope_fwd");
     rope_fwd_cpu(dtype, p);
   }
   static void bwd(const char* op, at::ScalarType dtype, const RopeProblem& p, const at::Tensor& q) {
     check_input(op, q);
+    note_cpu_kernel("rope_bwd");
     rope_bwd_cpu(dtype, p);
   }
 };

@@ -9,7 +9,7 @@
 
 #include <vector>
 
-#include "../host/common.h"
+#include "cpu_dtype_dispatch.h"
 
 namespace rl_align {
 namespace {

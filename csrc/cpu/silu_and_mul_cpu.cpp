@@ -2,6 +2,7 @@
 // both layouts is in host/silu_and_mul.h; this backend supplies the kernel calls.
 #include <torch/library.h>
 
+#include "../host/provenance.h"
 #include "../host/silu_and_mul.h"
 #include "silu_and_mul_cpu_kernels.h"
 
@@ -10,9 +11,11 @@ namespace {
 
 struct CpuBackend {
   static void fwd(const char*, const at::Tensor& ref, const SiluMulOperands& a) {
+    note_cpu_kernel("silu_and_mul_fwd");
     silu_and_mul_fwd_cpu(ref.scalar_type(), a);
   }
   static void bwd(const char*, const at::Tensor& ref, const SiluMulOperands& a) {
+    note_cpu_kernel("silu_and_mul_bwd");
     silu_and_mul_bwd_cpu(ref.scalar_type(), a);
   }
 };

@@ -5,7 +5,7 @@
 
 #include <ATen/Parallel.h>
 
-#include "../host/common.h"
+#include "cpu_dtype_dispatch.h"
 
 namespace rl_align {
 namespace {

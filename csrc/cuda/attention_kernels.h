@@ -1,9 +1,10 @@
 // Host entry points of the attention GPU kernels. Torch-free: the problem is an
 // AttentionProblem / AttentionGradProblem (csrc/common/attention_problem.h); the torch binding is
-// attention_launcher.cpp.
+// attention_launcher.cpp, which alone chooses the path (kernels: attention/).
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "../common/attention_problem.h"
 #include "../common/portability.h"
@@ -13,7 +14,7 @@ namespace rl_align {
 // Kernel families. Which one runs is chosen from (dtype, head_dim, device arch) only, never from
 // the batch: each family fixes its own dot-product order, so one family serves every batch,
 // decode and prefill alike.
-// The sm90 path gives the sm80 path's bits: the same recurrence steps (attention_recurrence.cuh)
+// The sm90 path gives the sm80 path's bits: the same recurrence steps (attention/recurrence.cuh)
 // on accumulators that wgmma rounds as mma.sync does (the tests compare the two bit for bit).
 enum class AttentionPath : int {
   kSm90 = 0,  // wgmma + TMA (sm_90a build, compute capability 9.0), bf16/fp16, head_dim 64/128
@@ -27,6 +28,12 @@ constexpr int64_t kAttentionSimtMaxHeadDim = 256;
 // Whether `path` was compiled into this build and runs `dtype` x `head_dim` on `device`.
 bool attention_path_available(AttentionPath path, DType dtype, int64_t head_dim, int device);
 
+// Why the sm90 kernels cannot address `p`'s operands through tensor maps (attention/sm90_common.h,
+// operand_map_problem), naming the operand and the stride that prevents it; empty where they can.
+// K and V for the forward; Q and dO too for the backward. The launcher decides on it: such a
+// problem runs the sm80 path (same bits) in auto mode, and forcing sm90 on it is an error.
+std::string attention_sm90_layout_problem(const AttentionProblem& p, bool backward);
+
 // Whether this build holds the sm90 kernels (an sm_90a cubin) for `device` (compute capability 9.0)
 // and the driver can encode tensor maps.
 bool attention_sm90_compiled_for(int device);
@@ -38,7 +45,7 @@ bool attention_sm90_compiled_for(int device);
 // split on its own CTA and a combine kernel merges them. Which one runs changes no bit.
 // masked_nonfinite: the problem's status word (0 before the launch), needed when max_q_len > 1
 // (keys masked inside a sequence exist): the fast kernels set it on a non-finite result, and the
-// launch then recomputes with the exact kernel (attention_sm80.cu).
+// launch then recomputes with the exact kernel (attention/sm80_fwd.cu, attention/sm90_fwd.cu).
 struct AttentionFwdWorkspace {
   float* acc = nullptr;
   float* ml = nullptr;
@@ -51,7 +58,9 @@ struct AttentionFwdWorkspace {
 int64_t attention_fwd_split_slots(const AttentionProblem& p);
 
 // Forward: writes out and lse for every query of every sequence (rows of sequences with
-// q_len = 0 are not touched). `w`: attention_fwd_split_slots(p) slots per row.
+// q_len = 0 are not touched). `w`: attention_fwd_split_slots(p) slots per row. The sm90 entry
+// points take only problems attention_sm90_layout_problem accepts (cudaErrorInvalidValue
+// otherwise): they never run another path's kernels.
 gpuError_t attention_fwd_sm90(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
                               gpuStream_t stream);
 gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,

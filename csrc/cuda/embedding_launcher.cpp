@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "../host/embedding.h"
+#include "../host/provenance.h"
 #include "embedding_kernels.h"
 
 namespace rl_align {
@@ -19,6 +20,7 @@ struct CudaBackend {
 
   static void fwd(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& out) {
     const c10::cuda::CUDAGuard guard(ids.device());
+    note_gpu_kernel("embedding_fwd", "simt");
     const gpuError_t err = embedding_fwd_simt(
         kernel_dtype(weight.scalar_type()), ids.const_data_ptr(), ids.scalar_type() == at::kLong,
         ids.numel(), weight.const_data_ptr(), row_stride(weight), weight.size(0),
@@ -34,6 +36,7 @@ struct CudaBackend {
     const int64_t num_embeddings = dweight.size(0);
     const at::Tensor workspace = at::empty({embedding_bwd_workspace_elements(num_embeddings)},
                                            ids.options().dtype(at::kLong));
+    note_gpu_kernel("embedding_bwd", "simt");
     const gpuError_t err = embedding_bwd_simt(
         kernel_dtype(grad_rows.scalar_type()), grad_rows.const_data_ptr(), row_stride(grad_rows),
         sorted_ids.const_data_ptr(), sorted_ids.scalar_type() == at::kLong,

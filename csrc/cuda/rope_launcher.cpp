@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../host/provenance.h"
 #include "../host/rope.h"
 #include "rope_kernels.h"
 
@@ -20,9 +21,11 @@ struct CudaBackend {
                 gpu_error_string(err));
   }
   static void fwd(const char* op, at::ScalarType dtype, const RopeProblem& p, const at::Tensor& q) {
+    note_gpu_kernel("rope_fwd", "simt");
     launch(rope_fwd_simt, op, dtype, p, q);
   }
   static void bwd(const char* op, at::ScalarType dtype, const RopeProblem& p, const at::Tensor& q) {
+    note_gpu_kernel("rope_bwd", "simt");
     launch(rope_bwd_simt, op, dtype, p, q);
   }
 };

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../host/provenance.h"
 #include "../host/silu_and_mul.h"
 #include "launcher_util.h"
 #include "silu_and_mul_kernels.h"
@@ -15,11 +16,13 @@ namespace {
 struct CudaBackend {
   static void fwd(const char* op, const at::Tensor& ref, const SiluMulOperands& a) {
     const c10::cuda::CUDAGuard guard(ref.device());
+    note_gpu_kernel("silu_and_mul_fwd", "simt");
     check_launch(op, silu_and_mul_fwd_simt(kernel_dtype(ref.scalar_type()), a,
                                            at::cuda::getCurrentCUDAStream()));
   }
   static void bwd(const char* op, const at::Tensor& ref, const SiluMulOperands& a) {
     const c10::cuda::CUDAGuard guard(ref.device());
+    note_gpu_kernel("silu_and_mul_bwd", "simt");
     check_launch(op, silu_and_mul_bwd_simt(kernel_dtype(ref.scalar_type()), a,
                                            at::cuda::getCurrentCUDAStream()));
   }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../common/attention_problem.h"
+#include "../common/attention_scale.h"
 #include "common.h"
 
 namespace rl_align {
@@ -54,10 +55,9 @@ inline void check_attention_qkv(const char* op, const at::Tensor& q, const at::T
                     ") must be a positive multiple of key/value heads (", hkv, ")");
 }
 
-// The softmax scale an attention op uses: `scale`, or 1/sqrt(head_dim); the one place C++ resolves
-// it (the host wrappers and the autograd Functions, which save it for the backward).
-inline double attention_scale(const char* op, const std::optional<double>& scale, int64_t head_dim) {
-  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+// attention_scale (common/attention_scale.h), which must be finite.
+inline double checked_attention_scale(const char* op, const std::optional<double>& scale, int64_t head_dim) {
+  const double s = attention_scale(scale, head_dim);
   TORCH_CHECK_VALUE(std::isfinite(s), "rl_align::", op, ": scale must be finite, got ", s);
   return s;
 }
@@ -436,7 +436,7 @@ std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& q, const at:
   constexpr const char* op = "attention";
   Backend::refuse_graph_capture(op);
   check_padded(op, q, k, v);
-  const double s = attention_scale(op, scale, q.size(3));
+  const double s = checked_attention_scale(op, scale, q.size(3));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
   bool any_padding = false;
   const std::vector<SeqDesc> seqs = padded_seqs(op, x.q, x.k, padding_mask, &any_padding);
@@ -458,7 +458,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
   bool any_padding = false;
   const std::vector<SeqDesc> seqs = padded_seqs(op, x.q, x.k, padding_mask, &any_padding);
   return attention_bwd_common<Backend>(op, x, grad_out, out, lse, host_seqs<Backend>(seqs, x.q), layout,
-                                       attention_scale(op, scale, q.size(3)), causal, any_padding);
+                                       checked_attention_scale(op, scale, q.size(3)), causal, any_padding);
 }
 
 template <typename Backend>
@@ -470,7 +470,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_impl(const at::Tensor& q, co
                                                          bool validate) {
   constexpr const char* op = "attention_varlen";
   check_varlen(op, q, k, v);
-  const double s = attention_scale(op, scale, q.size(2));
+  const double s = checked_attention_scale(op, scale, q.size(2));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
   return attention_fwd_common<Backend>(op, x, varlen_seqs<Backend>(op, x, cu_seqlens, max_seqlen, validate),
                                        varlen_layout(q), s, causal, false);
@@ -485,7 +485,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_impl(
   check_varlen(op, q, k, v);
   const AttentionLayout layout = varlen_layout(q);
   check_backward_extras(op, grad_out, out, lse, q, layout.lse_shape);
-  const double s = attention_scale(op, scale, q.size(2));
+  const double s = checked_attention_scale(op, scale, q.size(2));
   const AttentionOperands x = attention_operands<Backend>(q, k, v);
   return attention_bwd_common<Backend>(op, x, grad_out, out, lse,
                                        varlen_seqs<Backend>(op, x, cu_seqlens, max_seqlen, validate), layout, s,
@@ -514,7 +514,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(const at::Tensor& q, c
                     k_cache.sizes(), " must have the same batch size");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == q.size(0), "rl_align::", op,
                     ": cache_seqlens must have shape [", q.size(0), "], got ", cache_seqlens.sizes());
-  const double s = attention_scale(op, scale, q.size(3));
+  const double s = checked_attention_scale(op, scale, q.size(3));
   const int64_t batch = q.size(0), n = q.size(2), s_max = k_cache.size(2);
   TORCH_CHECK_VALUE(n <= s_max, "rl_align::", op, ": q's ", n, " new tokens do not fit the cache (", s_max,
                     " positions)");

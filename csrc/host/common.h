@@ -1,5 +1,6 @@
 // Host-side pieces every op's torch binding shares (CPU and GPU alike): the dtype policy, the
-// common argument checks, row views, and the torch dtype -> kernel dtype maps.
+// common argument checks, row views, and the torch dtype -> GPU kernel dtype map. (The CPU
+// kernels' map is theirs: cpu/cpu_dtype_dispatch.h.)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,7 +10,6 @@
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <utility>
 
 #include "../common/dtype_dispatch.h"
 
@@ -43,26 +43,6 @@ inline DType kernel_dtype(at::ScalarType t) {
     case at::kBFloat16: return DType::kBFloat16;
     default: return DType::kFloat32;  // the checks admit only these three
   }
-}
-
-// The CPU kernels' storage types, for dispatch_dtype<CpuKernelTypes> (common/dtype_dispatch.h).
-struct CpuKernelTypes {
-  using Key = at::ScalarType;
-  static constexpr at::ScalarType kFloat32 = at::kFloat;
-  static constexpr at::ScalarType kFloat16 = at::kHalf;
-  static constexpr at::ScalarType kBFloat16 = at::kBFloat16;
-  using Float32 = float;
-  using Float16 = at::Half;
-  using BFloat16 = at::BFloat16;
-};
-
-// CPU kernel entry points: f(scalar_t{}) for the three supported dtypes (callers have checked the
-// dtype); anything else is the dtype policy's ValueError.
-template <typename F>
-void dispatch_cpu_dtype(const char* op, at::ScalarType t, F&& f) {
-  dispatch_dtype<CpuKernelTypes>(t, std::forward<F>(f), [&] {
-    TORCH_CHECK_VALUE(false, "rl_align::", op, ": unsupported dtype ", dtype_name(t));
-  });
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -134,7 +114,5 @@ inline at::Tensor as_rows(const at::Tensor& t) {
 inline int64_t row_stride(const at::Tensor& rows) {
   return rows.size(0) > 1 ? rows.stride(0) : rows.size(1);
 }
-
-inline int64_t round_up(int64_t v, int64_t multiple) { return (v + multiple - 1) / multiple * multiple; }
 
 }  // namespace rl_align

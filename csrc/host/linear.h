@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../common/gemm_problem.h"
+#include "../common/host_device.h"
 #include "common.h"
 
 namespace rl_align {

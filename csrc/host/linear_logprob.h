@@ -1,6 +1,6 @@
 // Host side of linear_logprob: linear's GEMMs (a linear Backend of host/linear.h) around logprob,
-// never materialising [T, V]. Registered by the linear bindings (csrc/cpu/linear_cpu.cpp,
-// csrc/cuda/linear_launcher.cpp), which own the GEMM backends; a Backend also supplies
+// never materialising [T, V]. Its bindings (csrc/cpu/linear_logprob_cpu.cpp,
+// csrc/cuda/linear_logprob_launcher.cpp) extend the linear Backend with
 // logprob_grad(logits, operands), logprob's backward kernel.
 //
 // Forward: chunks of linear_logprob_chunk_tokens(V) tokens, each linear then logprob (through the
@@ -26,9 +26,9 @@
 #include <optional>
 #include <tuple>
 
-#include "../autograd/typed_op.h"
 #include "linear.h"
 #include "logprob.h"
+#include "typed_op.h"
 
 namespace rl_align {
 

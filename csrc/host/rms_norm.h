@@ -1,5 +1,7 @@
-// Host side of rms_norm and add_rms_norm, shared by the CPU and GPU bindings: argument checks,
-// output allocation, the empty cases and the row views. A Backend supplies only the kernel calls:
+// Host side of rms_norm, shared by the CPU and GPU bindings: argument checks, output allocation,
+// the empty cases and the row views, in a flow that add_rms_norm (host/add_rms_norm.h) shares: one
+// kernel normalises a row with or without the residual add. A Backend supplies only the kernel
+// calls (one Backend serves both families):
 //   static void check_input(const char* op, const at::Tensor& x);   // the backend's own limits
 //   static void fwd(const char* op, const at::Tensor& x_rows, const at::Tensor& residual_rows,
 //                   const at::Tensor& weight, const at::Tensor& y_rows,
@@ -110,14 +112,6 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
   return std::get<0>(rms_norm_forward_common<Backend>("rms_norm", x, at::Tensor(), weight, eps, mode));
 }
 
-template <typename Backend>
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x,
-                                                     const at::Tensor& residual,
-                                                     const at::Tensor& weight, double eps,
-                                                     c10::string_view mode) {
-  return rms_norm_forward_common<Backend>("add_rms_norm", x, residual, weight, eps, mode);
-}
-
 // (grad_x, dweight fp32); grad_residual (add_rms_norm_backward) is added to the rounded grad_x.
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(
@@ -147,16 +141,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_impl(
     const std::optional<at::Tensor>& dweight_accum, c10::string_view mode) {
   return rms_norm_backward_common<Backend>("rms_norm_backward", "grad_out", "x", grad_out,
                                            std::nullopt, x, weight, eps, dweight_accum, mode);
-}
-
-template <typename Backend>
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_backward_impl(
-    const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_residual,
-    const at::Tensor& new_residual, const at::Tensor& weight, double eps,
-    const std::optional<at::Tensor>& dweight_accum, c10::string_view mode) {
-  return rms_norm_backward_common<Backend>("add_rms_norm_backward", "grad_y", "new_residual",
-                                           grad_y, grad_residual, new_residual, weight, eps,
-                                           dweight_accum, mode);
 }
 
 }  // namespace rl_align

@@ -1,5 +1,5 @@
-// Ampere-class (sm_80+) tensor-core primitives shared by the mma.sync kernels (linear_sm80.cu,
-// attention_sm80.cu, attention_sm80_bwd.cu): tile constants and an alignment test (host and
+// Ampere-class (sm_80+) tensor-core primitives shared by the mma.sync kernels (linear/sm80.cu,
+// attention/sm80_fwd.cu, attention/sm80_bwd.cu): tile constants and an alignment test (host and
 // device), and device code defined only where the target is sm_80 or newer
 // (RL_ALIGN_SM80_DEVICE): cp.async copies, ldmatrix and its per-lane addresses, mma.sync m16n8k16
 // with fp32 accumulators, fp32 -> bf16/fp16 fragment packing, ex2.

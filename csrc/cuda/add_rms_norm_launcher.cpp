@@ -1,0 +1,15 @@
+// Torch binding of add_rms_norm on the GPU: the host flow is in host/add_rms_norm.h; the kernels
+// and their backend are rms_norm's (rms_norm_launcher.h), which take the residual.
+#include <torch/library.h>
+
+#include "../host/add_rms_norm.h"
+#include "rms_norm_launcher.h"
+
+namespace rl_align {
+
+TORCH_LIBRARY_IMPL(rl_align, CUDA, m) {
+  m.impl("add_rms_norm", &add_rms_norm_impl<RmsNormCudaBackend>);
+  m.impl("add_rms_norm_backward", &add_rms_norm_backward_impl<RmsNormCudaBackend>);
+}
+
+}  // namespace rl_align

@@ -1,0 +1,161 @@
+// What the sm90 attention kernels (sm90_fwd.cu forward, sm90_bwd.cu backward) share: the tile
+// geometry of their 128-byte-swizzle boxes, how a tensor map addresses an operand (host), and the
+// exact kernels' product by cuts (device). Torch-free.
+#pragma once
+
+#include <cstdint>
+
+#include "../../common/attention_problem.h"
+#include "../../common/dtype_dispatch.h"
+#include "../../common/portability.h"
+#include "../../primitives/sm90_async.h"
+#include "../attention_kernels.h"
+#include "sm80_common.h"
+
+#if !RL_ALIGN_HIP
+#ifdef RL_ALIGN_SM90A_DEVICE
+#include "../../primitives/wgmma_instructions.h"
+#endif
+
+namespace rl_align {
+
+// A box is 64 rows (tokens) x 64 elements of d: one 128-byte swizzle row per token; head_dim 128
+// takes two boxes side by side. 64 rows are also a wgmma m64 tile and a KV block.
+constexpr int kBoxRows = 64;
+constexpr int kBoxElems = 64;
+constexpr int kBoxBytes = kBoxRows * kSwizzleRowBytes;
+static_assert(kBoxRows == kAttentionKvBlock, "a box holds one KV block");
+// The exact kernels' scratch for one k16 chunk of one box (rs_product_by_cuts).
+constexpr int kCutBoxBytes = 16 * kSwizzleRowBytes;
+
+// Arrivals per consumer warpgroup on a ring stage's "empty" barrier. The EXACT kernels also read
+// ring rows with ordinary loads (rs_product_by_cuts): there every thread arrives after its own
+// reads, so each read is ordered before the producer's next writes to the stage by the reading
+// thread's own release (the order compute-sanitizer's racecheck follows). The fast kernels read
+// the ring through wgmma only: one arrive after the warpgroup's wait.
+template <bool EXACT>
+constexpr int kStageReleaseArrivals = EXACT ? kWarpgroupThreads : 1;
+
+// How a dense operand [.., tokens, heads, d] (token-major: packed, or a batch stored so) or
+// [.., heads, tokens, d] (head-major: a padded batch, the KV cache) is read through a 3-D tensor
+// map in boxes of 64 tokens x 64 elements of d:
+//   token-major: dims (d, heads, token rows); token j of head g of a sequence at element offset
+//                base: (g, base / stride_token + j)
+//   head-major:  dims (d, positions, head rows): (base % stride_head / stride_token + j,
+//                base / stride_head + g)
+// Rows past a dimension's end read as zeros; past the sequence they are whatever follows it.
+struct OperandMap {
+  bool head_major = false;
+  int64_t stride_token = 0, stride_head = 0;
+  __host__ __device__ void coords(int64_t base, int head, int token, int& c1, int& c2) const {
+    if (head_major) {
+      c1 = static_cast<int>(base % stride_head / stride_token) + token;
+      c2 = static_cast<int>(base / stride_head) + head;
+    } else {
+      c1 = head;
+      c2 = static_cast<int>(base / stride_token) + token;
+    }
+  }
+  // The coordinates of (head, token) from those of (0, 0) (no division: for loops).
+  __host__ __device__ void step(int c1_0, int c2_0, int head, int token, int& c1, int& c2) const {
+    c1 = c1_0 + (head_major ? token : head);
+    c2 = c2_0 + (head_major ? head : token);
+  }
+};
+
+// Why an operand (token/head strides, `heads`, `elements`, dim 0's `stride_outer`:
+// AttentionProblem) cannot be addressed as OperandMap says, or nullptr where it can (then *info
+// says how): every sequence base a whole number of tokens (stride_outer a multiple of the token
+// stride), the larger of the two strides a multiple of the smaller, and coordinates within int.
+// Equal strides: one of the two dimensions has one entry (a dense operand), the heads' if
+// heads == 1, else the tokens'.
+inline const char* operand_map_problem(int64_t stride_token, int64_t stride_head, int64_t heads, int64_t elements,
+                                       int64_t stride_outer, OperandMap* info) {
+  if (stride_token <= 0 || stride_head <= 0 || elements <= 0) return "a token or head stride is not positive";
+  if (stride_outer % stride_token != 0) {
+    return "the batch dimension's stride is not a whole number of token strides (sequences start between tokens)";
+  }
+  info->head_major = stride_head > stride_token || (stride_head == stride_token && heads > 1);
+  info->stride_token = stride_token;
+  info->stride_head = stride_head;
+  const int64_t inner = info->head_major ? stride_token : stride_head;
+  const int64_t outer = info->head_major ? stride_head : stride_token;
+  if (outer % inner != 0) return "the larger of the token and head strides is not a multiple of the smaller";
+  if (elements / inner > INT32_MAX) return "its rows exceed a tensor map's int coordinates";
+  return nullptr;
+}
+inline bool operand_mappable(int64_t stride_token, int64_t stride_head, int64_t heads, int64_t elements,
+                             int64_t stride_outer, OperandMap* info) {
+  return operand_map_problem(stride_token, stride_head, heads, elements, stride_outer, info) == nullptr;
+}
+
+// The tensor map of an operand `info` describes (operand_mappable), in boxes of 64 x 64.
+inline bool encode_operand_map(CUtensorMap* map, const OperandMap& info, DType dtype, const void* ptr,
+                               int64_t head_dim, int64_t elements) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const int64_t inner = info.head_major ? info.stride_token : info.stride_head;  // dim 1's stride
+  const int64_t outer = info.head_major ? info.stride_head : info.stride_token;  // dim 2's stride
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(outer / inner),
+                              static_cast<cuuint64_t>((elements + outer - 1) / outer)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * 2, static_cast<cuuint64_t>(outer) * 2};
+  const cuuint32_t box[3] = {kBoxElems, info.head_major ? kBoxRows : 1u, info.head_major ? 1u : kBoxRows};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+                const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+#ifdef RL_ALIGN_SM90A_DEVICE
+// acc (a warpgroup's m64 x N accumulators, N = 64 BOXES) += A B for one k16 chunk, each row summing
+// only its allowed k positions whatever B holds at the others: A in registers (a), B = 16 rows (k)
+// of an MN-major tile of BOXES boxes, row r at b_rows + box * box_bytes + r * 128. Row hh of the
+// thread may use `count[hh]` of the 16 k positions: the first ones (KEEP_LOW) or the last ones.
+// Per count n = 16 .. 1 the product runs with B's rows outside the count's positions replaced by
+// +0 (a copy in `scratch`, BOXES x 16 rows, 1024-aligned) from the current accumulators, and only
+// the rows with that count keep it; rows with count 0 keep acc. An mma element depends only on its
+// own A row, B column and accumulator, so a row gets the bits of a product whose masked B rows are
+// zeros, whatever they held. bar: a named barrier of the warpgroup's 128 threads.
+template <typename T, int N, bool KEEP_LOW>
+__device__ __forceinline__ void rs_product_by_cuts(float (&acc)[N / 2], const uint32_t (&a)[4], const uint8_t* b_rows,
+                                                   int box_bytes, uint8_t* scratch, const int (&count)[2], int tid,
+                                                   int bar) {
+  constexpr int BOXES = N / 64;
+  named_bar_sync(bar, kWarpgroupThreads);  // earlier products are done with the scratch
+  for (int i = tid; i < BOXES * 16 * 8; i += kWarpgroupThreads) {
+    const int box = i / 128, r = i % 128 / 8, c16 = i % 8;
+    // Bytes as they are: a row keeps its place in the 8-row swizzle period (chunks start at
+    // multiples of 16 rows).
+    *reinterpret_cast<uint4*>(scratch + box * kCutBoxBytes + r * 128 + c16 * 16) =
+        *reinterpret_cast<const uint4*>(b_rows + box * box_bytes + r * 128 + c16 * 16);
+  }
+  const uint32_t scratch_addr = smem_addr(scratch);
+#pragma unroll 1
+  for (int n = 16; n >= 1; --n) {
+    fence_proxy_async();
+    named_bar_sync(bar, kWarpgroupThreads);
+    float tmp[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) tmp[i] = acc[i];
+    wgmma_fence();
+    WgmmaRs<N, T>::template mma<1>(tmp, a, smem_desc(scratch_addr, kCutBoxBytes, kSwizzleAtomBytes), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(tmp);
+    // Accumulator register 4 j + e is row hh = e / 2 of the thread.
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[i] = count[(i % 4) / 2] == n ? tmp[i] : acc[i];
+    named_bar_sync(bar, kWarpgroupThreads);
+    // The k position that the next count (n - 1) leaves out becomes +0.
+    const int gone = KEEP_LOW ? n - 1 : 16 - n;
+    if (tid < BOXES * 8) {
+      *reinterpret_cast<uint4*>(scratch + (tid / 8) * kCutBoxBytes + gone * 128 + (tid % 8) * 16) =
+          make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+#endif  // RL_ALIGN_SM90A_DEVICE
+
+}  // namespace rl_align
+#endif  // !RL_ALIGN_HIP

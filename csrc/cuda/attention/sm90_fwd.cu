@@ -1,0 +1,815 @@
+// Hopper (sm_90a) attention forward: a TMA K/V ring feeding wgmma, one producer warpgroup and
+// one or two consumer warpgroups of 64 GQA-packed query rows (row = query * G + head in group, as
+// the sm80 kernels pack them). The producer's warp 0 issues the K/V loads; its warps 1..CONSUMERS
+// gather each consumer's Q (any layout, cp.async into the swizzled layout) for the next tile while
+// the consumer finishes the current one. S = Q K^T is a wgmma SS; O += P V a wgmma RS (P from the
+// S accumulators).
+//
+// Arithmetic: the sm80 forward's, step for step (sm80_fwd.cu header; the block recurrence
+// and the split merge are recurrence.cuh's functions, called on the wgmma accumulators,
+// whose per-warp layout is the m16n8 accumulator layout): S chains the k16 chunks of d in
+// increasing order from zero, O takes the 4 k16 key chunks of a block in increasing order after
+// the acc * alpha rescale, acc starts at +0 and is never -0. wgmma rounds these products as
+// mma.sync does, so the results are the sm80 path's bits (tests/test_attention.py compares the
+// two paths bit for bit); the sm80 split-combine kernel merges this path's per-split partials.
+//
+// Masked keys: past kv_len, V rows of the sequence's last block are zeroed in shared memory before
+// the consumers see them (TMA has loaded whatever follows the sequence); K past kv_len and keys
+// past a row's causal position are selected out of S; a non-finite V of a key past a row's
+// causal position (inside the sequence) still meets p = +0 in the P V product: the epilogue flags
+// a non-finite result (status word) and the launch recomputes with the EXACT instantiation.
+#include <atomic>
+#include <type_traits>
+
+#include "recurrence.cuh"
+#include "sm90_common.h"
+
+#if !RL_ALIGN_HIP
+#if defined(__CUDA_ARCH__) && !defined(RL_ALIGN_SM90A_DEVICE)
+// Device passes for other archs compile no kernel body: the constants only a body reads are unused.
+#pragma nv_diag_suppress 177
+#endif
+namespace rl_align {
+namespace {
+
+constexpr int kKvBlock = static_cast<int>(kAttentionKvBlock);
+constexpr int kSplitBlocks = static_cast<int>(kAttentionKvSplit / kAttentionKvBlock);
+constexpr int kConsumerRows = 64;  // wgmma m64: rows per consumer warpgroup
+
+// CONSUMERS warpgroups of 64 rows (BLOCK_M rows per CTA) and a producer warpgroup; STAGES K/V
+// blocks in the TMA ring; PINGPONG: the two consumers take turns issuing their wgmmas, so that one
+// runs its softmax while the other's matrix products run.
+// MIN_BLOCKS CTAs per SM; the register file (64K) is then split by setmaxnreg: the producer keeps
+// PRODUCER_REGS, each consumer thread gets CONSUMER_REGS.
+template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PINGPONG_, int MIN_BLOCKS_ = 1>
+struct Sm90FwdConfig {
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int CONSUMERS = CONSUMERS_;
+  static constexpr int STAGES = STAGES_;
+  static constexpr bool PINGPONG = PINGPONG_ && CONSUMERS_ == 2;
+  static constexpr int MIN_BLOCKS = MIN_BLOCKS_;
+  static constexpr int PRODUCER_REGS = 56;
+  // 65536 / MIN_BLOCKS registers per CTA, less the producer's, over the consumer threads (a
+  // multiple of 8).
+  static constexpr int CONSUMER_REGS =
+      ((65536 / MIN_BLOCKS_ - 128 * PRODUCER_REGS) / (CONSUMERS_ * 128)) / 8 * 8 > 240
+          ? 240
+          : ((65536 / MIN_BLOCKS_ - 128 * PRODUCER_REGS) / (CONSUMERS_ * 128)) / 8 * 8;
+  static constexpr int BLOCK_M = CONSUMERS * kConsumerRows;
+  static constexpr int THREADS = (CONSUMERS + 1) * 128;
+  static constexpr int D_BOXES = HEAD_DIM / kBoxElems;  // 128-byte swizzle boxes across d
+  static constexpr int D_STEPS = HEAD_DIM / 16;         // k16 chunks of q . k
+  static constexpr int KEY_STEPS = kKvBlock / 16;       // k16 chunks of P V
+  static constexpr int Q_BYTES = CONSUMERS * D_BOXES * kBoxBytes;
+  static constexpr int KV_TILE_BYTES = D_BOXES * kBoxBytes;
+  static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K then V
+  // k_full, v_full, kv_empty per stage, v_tail; q_full, q_empty per consumer
+  static constexpr int BARRIERS = 3 * STAGES + 1 + 2 * CONSUMERS;
+  // Slack to align the tiles to 1024 bytes; none where two CTAs must fit an SM (228 KB less 1 KB
+  // reserved per CTA): the kernel then traps if the dynamic shared memory is not so aligned.
+  static constexpr int ALIGN_SLACK = MIN_BLOCKS_ > 1 ? 0 : 1024;
+  static constexpr int SMEM_BYTES = ALIGN_SLACK + Q_BYTES + STAGES * STAGE_BYTES + BARRIERS * 8;
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim");
+  static_assert(CONSUMERS == 1 || CONSUMERS == 2, "consumer warpgroups");
+  static_assert(BARRIERS * 8 <= 1024, "the barriers fit before the EXACT scratch");
+  static_assert(MIN_BLOCKS * (SMEM_BYTES + 1024) <= 228 * 1024, "shared memory of MIN_BLOCKS CTAs");
+};
+
+// How a launch covers the KV splits (attention_problem.h); the bits are the same for all.
+enum class SplitMode : int {
+  kNone = 0,      // every row's keys lie in one split
+  kMerge = 1,     // a CTA runs its rows over every split, folding finished splits into the workspace
+  kPerSplit = 2,  // a CTA runs one split (grid y = kv head + heads_kv * split); partials of rows with
+                  // several splits go to the workspace, the combine kernel merges them
+};
+
+// The order in which a CTA takes its tiles (one per CTA, or a persistent grid walking them): a
+// tile is (visit, pair), pair = (sequence, y) with y = kv head (+ heads_kv * split); visit 0 is
+// a sequence's last (heaviest, causal) row tile. Pairs go in sections of pairs_per_section whose
+// K/V fit in L2 together; within a section the heaviest tiles of every pair come first (longest
+// job first). Scheduling only: no bit depends on it.
+struct TileOrder {
+  int64_t tiles_max = 0;  // row tiles of the longest sequence
+  int64_t grid_y = 0;     // kv heads (x splits)
+  int64_t pairs = 0;      // num_seqs * grid_y
+  int64_t pairs_per_section = 1;
+  int64_t total = 0;      // pairs * tiles_max
+  __device__ void decode(int64_t t, int& visit, int64_t& seq, int& y) const {
+    const int64_t section_tiles = pairs_per_section * tiles_max;
+    const int64_t first_pair = t / section_tiles * pairs_per_section, r = t % section_tiles;
+    const int64_t n_pairs = pairs - first_pair < pairs_per_section ? pairs - first_pair : pairs_per_section;
+    visit = static_cast<int>(r / n_pairs);
+    const int64_t pair = first_pair + r % n_pairs;
+    seq = pair / grid_y;
+    y = static_cast<int>(pair % grid_y);
+  }
+};
+
+// Named barriers: 1 + c: consumer c's own 128 threads; 3 + c: ping-pong turn of consumer c.
+constexpr int kConsumerBar = 1, kTurnBar = 3;
+
+// EXACT: the recompute launch (the fast kernel flagged a non-finite result): every block runs S,
+// the recurrence and P V in sequence, and P V of a block holding keys masked for some row runs by
+// cuts: per k16 key chunk and per count u of a row's allowed keys in it, the product with the
+// chunk's values of keys >= u replaced by +0 (a copy in shared memory), each row keeping the result
+// of its own count (rows with none keep their acc). A row's masked keys then meet +0 where the fast
+// kernel met finite values (+-0 products), so the bits are the fast kernel's wherever those values
+// are finite (sm80_fwd.cu's EXACT kernel does the same with mma.sync).
+// EXACT adds the scratch 1024 bytes past the ring's end (the barriers sit in between).
+template <typename Cfg, bool EXACT>
+constexpr int sm90_fwd_smem_bytes() {
+  return EXACT ? Cfg::SMEM_BYTES - Cfg::BARRIERS * 8 + 1024 + Cfg::CONSUMERS * Cfg::D_BOXES * kCutBoxBytes
+               : Cfg::SMEM_BYTES;
+}
+
+#ifdef RL_ALIGN_SM90A_DEVICE
+// A Q loader warp's copy of one consumer's kConsumerRows rows c_row0.. of a (sequence, kv head)'s
+// q_len * G rows (row = query row / G, head kv_head * G + row % G) into its smem at c_q_addr, in
+// the layout a 128-byte-swizzle TMA box has: cp.async (no registers hold the data; rows at or past
+// `rows` zero-filled), then visible to the async proxy (wgmma) before the caller's arrive.
+template <typename T, int D>
+__device__ __forceinline__ void load_q_rows(uint32_t c_q_addr, const T* q, const AttentionProblem& p, int64_t q_base,
+                                            int kv_head, int c_row0, int rows, int group, int lane) {
+  constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+#pragma unroll 4
+  for (int i = lane; i < kConsumerRows * CHUNKS; i += 32) {
+    const int r = i / CHUNKS, ch = i % CHUNKS;
+    const int row = c_row0 + r;
+    const int64_t qi = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
+    const bool in_range = row < rows;
+    cp_async_16_zfill(c_q_addr + (ch / 8) * kBoxBytes + r * 128 + (((ch % 8) ^ (r % 8)) * 16),
+                      in_range ? q + q_base + qi * p.q_stride_token + h * p.q_stride_head + ch * 8 : q,
+                      in_range ? 16 : 0);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+}
+
+// The forward's K/V ring producer (warp 0 of the producer warpgroup): a stage holds a key block's
+// K tile and, KV_TILE_BYTES after it, its V tile, published apart (k_full, v_full) so that a
+// consumer's S = Q K^T starts before V lands. load(): once the consumers released the next stage,
+// the block of keys key0.. (map coordinates from the sequence's key 0 at kv_c1, kv_c2) lands in
+// it; a block running past kv_len lands V on v_tail, and its values past kv_len (whatever follows
+// the sequence in memory) become +0 before any consumer multiplies them by p = +0 (a NaN there
+// reaches no row), then v_full publishes it.
+template <typename Cfg>
+struct KvRingProducer {
+  uint8_t* ring;
+  uint64_t *k_full, *v_full, *kv_empty, *v_tail;
+  int stage = 0;
+  uint32_t phase = 0, tail_phase = 0;
+  __device__ __forceinline__ void load(const CUtensorMap* k_map, const CUtensorMap* v_map, const OperandMap& kv_at,
+                                       int kv_c1, int kv_c2, int key0, int kv_len, int lane) {
+    mbar_wait(&kv_empty[stage], phase ^ 1);
+    const bool tail = key0 + kKvBlock > kv_len;
+    uint8_t* k_tile = ring + stage * Cfg::STAGE_BYTES;
+    uint8_t* v_tile = k_tile + Cfg::KV_TILE_BYTES;
+    if (lane == 0) {
+      int c1, c2;
+      kv_at.step(kv_c1, kv_c2, 0, key0, c1, c2);
+      mbar_arrive_expect_tx(&k_full[stage], Cfg::KV_TILE_BYTES);
+      for (int c = 0; c < Cfg::D_BOXES; ++c)
+        tma_load_3d(k_tile + c * kBoxBytes, k_map, &k_full[stage], c * kBoxElems, c1, c2);
+      uint64_t* v_bar = tail ? v_tail : &v_full[stage];
+      mbar_arrive_expect_tx(v_bar, Cfg::KV_TILE_BYTES);
+      for (int c = 0; c < Cfg::D_BOXES; ++c)
+        tma_load_3d(v_tile + c * kBoxBytes, v_map, v_bar, c * kBoxElems, c1, c2);
+    }
+    if (tail) {
+      mbar_wait(v_tail, tail_phase);
+      tail_phase ^= 1;
+      const int first_zero = kv_len - key0;  // 1 .. 63
+      const int chunks = (kKvBlock - first_zero) * 8 * Cfg::D_BOXES;
+      for (int i = lane; i < chunks; i += 32) {
+        const int box = i / ((kKvBlock - first_zero) * 8), r = i % ((kKvBlock - first_zero) * 8);
+        *reinterpret_cast<uint4*>(v_tile + box * kBoxBytes + (first_zero + r / 8) * 128 + (r % 8) * 16) =
+            make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&v_full[stage]);
+    }
+    if (++stage == Cfg::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+#endif  // RL_ALIGN_SM90A_DEVICE
+
+template <typename T, typename Cfg, bool SCALE_NONNEG, SplitMode MODE, bool EXACT>
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
+    attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                              const OperandMap kv_at, const AttentionProblem p, const AttentionFwdWorkspace w, const TileOrder order,
+                              int group, float scale_log2) {
+#ifdef RL_ALIGN_SM90A_DEVICE
+  constexpr int D = Cfg::HEAD_DIM, STAGES = Cfg::STAGES, BLOCK_M = Cfg::BLOCK_M;
+  constexpr bool MERGE = MODE == SplitMode::kMerge, PER_SPLIT = MODE == SplitMode::kPerSplit;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  if (EXACT && *w.masked_nonfinite == 0) return;  // the fast kernel's results stand
+  // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows from such an address.
+  if (Cfg::ALIGN_SLACK == 0 && smem_addr(smem_raw) % 1024 != 0) __trap();
+  uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  uint8_t* q_smem = smem;
+  uint8_t* ring = smem + Cfg::Q_BYTES;
+  uint64_t* k_full = reinterpret_cast<uint64_t*>(ring + STAGES * Cfg::STAGE_BYTES);
+  uint64_t* v_full = k_full + STAGES;
+  uint64_t* kv_empty = v_full + STAGES;
+  uint64_t* v_tail = kv_empty + STAGES;
+  uint64_t* q_full = v_tail + 1;
+  uint64_t* q_empty = q_full + Cfg::CONSUMERS;
+  // EXACT: a 1024-aligned scratch of D_BOXES x 16 value rows per consumer, after the barriers.
+  uint8_t* cut_scratch = ring + STAGES * Cfg::STAGE_BYTES + 1024;
+  auto k_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
+  auto v_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES + Cfg::KV_TILE_BYTES; };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&k_full[s], 1);
+      mbar_init(&v_full[s], 1);
+      mbar_init(&kv_empty[s], Cfg::CONSUMERS * kStageReleaseArrivals<EXACT>);
+    }
+    mbar_init(v_tail, 1);
+    for (int c = 0; c < Cfg::CONSUMERS; ++c) {
+      mbar_init(&q_full[c], 1);
+      mbar_init(&q_empty[c], 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Broadcast from lane 0: the compiler then knows these values are warp-uniform, and the wgmma
+  // code they guard is not a divergent path (which would serialize the wgmma pipeline, C7520).
+  auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
+  const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
+  // What tile `tile` of the order holds, the same for every role: its sequence, kv head, split,
+  // rows [row0, row0 + BLOCK_M) of the sequence's q_len * G, and its blocks [b_begin, b_end) (of
+  // the CTA's last row's [0, num_blocks); one split's). Empty: no row, or no row reaching the split.
+  struct Tile {
+    AttentionSeq sq;
+    int kv_head, split, q_len, kv_len, rows, first_pos, row0, b_begin, b_end;
+  };
+  auto resolve = [&](int64_t tile, Tile& job) -> bool {
+    int visit_raw, y_raw;
+    int64_t s;
+    order.decode(tile, visit_raw, s, y_raw);
+    const int visit = uniform(visit_raw), y = uniform(y_raw);
+    job.kv_head = PER_SPLIT ? y % static_cast<int>(p.heads_kv) : y;
+    job.split = PER_SPLIT ? y / static_cast<int>(p.heads_kv) : 0;
+    job.sq = attention_seq(p, s);
+    job.q_len = uniform(static_cast<int>(job.sq.q_len));
+    job.kv_len = uniform(static_cast<int>(job.sq.kv_len));
+    job.rows = job.q_len * group;
+    const int tiles = (job.rows + BLOCK_M - 1) / BLOCK_M;
+    if (visit >= tiles) return false;  // also q_len = 0
+    job.first_pos = job.kv_len - job.q_len;
+    job.row0 = (tiles - 1 - visit) * BLOCK_M;
+    const int last_pos = job.first_pos + ((job.row0 + BLOCK_M < job.rows ? job.row0 + BLOCK_M : job.rows) - 1) / group;
+    const int num_blocks = p.causal ? last_pos / kKvBlock + 1 : (job.kv_len + kKvBlock - 1) / kKvBlock;
+    job.b_begin = job.split * kSplitBlocks;
+    job.b_end = PER_SPLIT && job.b_begin + kSplitBlocks < num_blocks ? job.b_begin + kSplitBlocks : num_blocks;
+    return job.b_begin < job.b_end;
+  };
+
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------------ producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Cfg::PRODUCER_REGS));
+    const int producer_warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    Tile job;
+    if (producer_warp >= 1 && producer_warp <= Cfg::CONSUMERS) {
+      // ---------------------------------------------------------- Q loader of consumer (warp - 1)
+      // Q of consumer c's 64 rows (load_q_rows) for the next tile while the consumer finishes
+      // this one (its last P V, its epilogue).
+      const int c = producer_warp - 1;
+      uint8_t* c_q = q_smem + c * Cfg::D_BOXES * kBoxBytes;
+      const T* q = static_cast<const T*>(p.q);
+      const uint32_t c_q_addr = smem_addr(c_q);
+      uint32_t q_phase = 0;
+      for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
+        if (!resolve(tile, job) || job.row0 + c * kConsumerRows >= job.rows) continue;
+        const int c_row0 = job.row0 + c * kConsumerRows;
+        mbar_wait(&q_empty[c], q_phase ^ 1);
+        load_q_rows<T, D>(c_q_addr, q, p, job.sq.q_base, job.kv_head, c_row0, job.rows, group, lane);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&q_full[c]);
+        q_phase ^= 1;
+      }
+      return;
+    }
+    if (producer_warp != 0) return;
+    // ------------------------------------------------------------------- K/V producer (warp 0)
+    KvRingProducer<Cfg> kv_ring{ring, k_full, v_full, kv_empty, v_tail};
+    for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
+      if (!resolve(tile, job)) continue;
+      int kv_c1, kv_c2;  // the map coordinates of the sequence's key 0 of this kv head
+      kv_at.coords(job.sq.kv_base, job.kv_head, 0, kv_c1, kv_c2);
+      for (int b = job.b_begin; b < job.b_end; ++b) {
+        kv_ring.load(&k_map, &v_map, kv_at, kv_c1, kv_c2, b * kKvBlock, job.kv_len, lane);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Cfg::CONSUMER_REGS));
+  const int consumer = warpgroup - 1;
+  const int tid = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  T* __restrict__ out = static_cast<T*>(p.out);
+  uint8_t* my_q = q_smem + consumer * Cfg::D_BOXES * kBoxBytes;
+  const uint32_t my_q_addr = smem_addr(my_q);
+  // Descriptors: Q and K K-major (128-byte rows of d), V MN-major (128-byte rows of d per key).
+  auto kmajor_desc = [&](uint32_t base, int ks) {
+    return smem_desc(base + (ks / 4) * kBoxBytes + (ks % 4) * 32, kBoxBytes, kSwizzleAtomBytes);
+  };
+  auto turn_sync = [&]() {
+    if constexpr (Cfg::PINGPONG && !EXACT) named_bar_sync(kTurnBar + consumer, 2 * kWarpgroupThreads);
+  };
+  auto turn_pass = [&]() {
+    if constexpr (Cfg::PINGPONG && !EXACT) named_bar_arrive(kTurnBar + (consumer ^ 1), 2 * kWarpgroupThreads);
+  };
+  if (Cfg::PINGPONG && !EXACT && consumer == 1) turn_pass();  // consumer 0 issues first
+
+  int stage = 0;
+  uint32_t phase = 0;
+  auto advance = [&]() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
+  auto release = [&](int s) {
+    if (EXACT || tid == 0) mbar_arrive(&kv_empty[s]);
+  };
+
+  uint32_t q_phase = 0;
+  Tile job;
+  for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
+    if (!resolve(tile, job)) continue;  // (the producer and the Q loaders skip it too)
+    const AttentionSeq sq = job.sq;
+    const int kv_head = job.kv_head, split = job.split, kv_len = job.kv_len, rows = job.rows;
+    const int first_pos = job.first_pos, row0 = job.row0, b_begin = job.b_begin, b_end = job.b_end;
+    {
+      const int my_row0 = row0 + consumer * kConsumerRows;
+      const bool active = my_row0 < rows;
+      const int my_last_pos = first_pos + ((my_row0 + kConsumerRows < rows ? my_row0 + kConsumerRows : rows) - 1) / group;
+      // Blocks past every row of this warpgroup would add exact zeros: skipped (waited on and
+      // released only).
+      int my_end = !active ? b_begin : p.causal ? my_last_pos / kKvBlock + 1 : b_end;
+      my_end = my_end < b_begin ? b_begin : my_end > b_end ? b_end : my_end;
+
+      // Q (the loader's), released once the tile's last S is done.
+      if (active) mbar_wait(&q_full[consumer], q_phase);
+      auto release_q = [&]() {
+        if (!active) return;
+        if (tid == 0) mbar_arrive(&q_empty[consumer]);
+        q_phase ^= 1;
+      };
+
+      const int warp_row0 = my_row0 + warp * 16;
+      const int warp_first_pos = first_pos + warp_row0 / group;
+      int row_last_key[1][2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int pos = first_pos + (warp_row0 + 8 * hh + g) / group;
+        row_last_key[0][hh] = p.causal && pos < kv_len ? pos : kv_len - 1;
+      }
+      float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+      float acc[1][D / 8][4];
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][dn][e] = 0.f;
+      }
+      float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
+      float score[1][8][4];
+      float(&score_flat)[32] = *reinterpret_cast<float(*)[32]>(&score[0][0][0]);
+      uint32_t pa[Cfg::KEY_STEPS][4];
+
+      // S = Q K^T of block b into `score` (issued, not waited for).
+      auto issue_scores = [&](int st) {
+        const uint32_t k_addr = smem_addr(k_stage(st));
+#pragma unroll
+        for (int ks = 0; ks < Cfg::D_STEPS; ++ks) {
+          Wgmma<64, T>::template mma<0, 0>(score_flat, kmajor_desc(my_q_addr, ks), kmajor_desc(k_addr, ks), ks > 0);
+        }
+      };
+      // acc += P V of the block in stage st (issued, not waited for).
+      auto issue_pv = [&](int st) {
+        const uint32_t v_addr = smem_addr(v_stage(st));
+#pragma unroll
+        for (int kc = 0; kc < Cfg::KEY_STEPS; ++kc) {
+          WgmmaRs<D, T>::template mma<1>(acc_flat, pa[kc], smem_desc(v_addr + kc * 16 * 128, kBoxBytes, kSwizzleAtomBytes), 1);
+        }
+      };
+      // The block recurrence on `score` (block b): m, l updated, scores turned into p; acc * alpha
+      // once no P V that reads acc is in flight (the caller's order).
+      float row_alpha[1][2];
+      auto softmax = [&](int b) {
+        const int key0 = b * kKvBlock;
+        const bool need_mask = key0 + kKvBlock > kv_len || (p.causal && key0 + kKvBlock - 1 > warp_first_pos);
+        return softmax_block<SCALE_NONNEG>(score, row_max, row_sum, row_alpha, row_last_key, key0 + 2 * t,
+                                           need_mask, scale_log2);
+      };
+      auto rescale_acc = [&]() {
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[0][dn][e] = __fmul_rn(acc[0][dn][e], row_alpha[0][e / 2]);
+        }
+      };
+      // P in the input dtype as the A fragments of P V (the m16n8 layout of c_to_a is wgmma's).
+      auto to_p = [&]() {
+#pragma unroll
+        for (int kc = 0; kc < Cfg::KEY_STEPS; ++kc) c_to_a<T>(pa[kc], score[0][2 * kc], score[0][2 * kc + 1]);
+      };
+      // MERGE: at the first block of split c >= 1, rows that reach it fold the finished partial of
+      // split c - 1 into their merged state in the workspace (the first is stored as it is) and
+      // restart from a fresh state; rows that end earlier keep theirs (sm80_fwd.cu's fold).
+      auto fold_split = [&](int b) {
+        const int key0 = b * kKvBlock;
+        const bool first = b == kSplitBlocks;
+        bool reach[2];
+        int64_t ws_row[2];
+        float ws_m[2], ws_l[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = warp_row0 + 8 * hh + g;
+          reach[hh] = row < rows && row_last_key[0][hh] >= key0;
+          ws_row[hh] = sq.lse_base + (static_cast<int64_t>(kv_head) * group + row % group) * p.lse_stride_head + row / group;
+          ws_m[hh] = reach[hh] && !first ? w.ml[2 * ws_row[hh]] : 0.f;
+          ws_l[hh] = reach[hh] && !first ? w.ml[2 * ws_row[hh] + 1] : 0.f;
+        }
+        __syncwarp();  // the row's 4 lanes read its state before lane t = 0 rewrites it
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (!reach[hh]) continue;
+          float m = row_max[0][hh], l = row_sum[0][hh];
+          SplitMergeWeights wt{1.f, 1.f};
+          if (!first) {
+            m = ws_m[hh];
+            l = ws_l[hh];
+            wt = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
+          }
+          if (t == 0) {
+            w.ml[2 * ws_row[hh]] = m;
+            w.ml[2 * ws_row[hh] + 1] = l;
+          }
+          float* wa = w.acc + ws_row[hh] * D + 2 * t;
+#pragma unroll
+          for (int dn = 0; dn < D / 8; ++dn) {
+            float2 cur = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
+            if (!first) {
+              const float2 prev = *reinterpret_cast<const float2*>(wa + dn * 8);
+              cur = make_float2(merge_elem(prev.x, cur.x, wt), merge_elem(prev.y, cur.y, wt));
+            }
+            *reinterpret_cast<float2*>(wa + dn * 8) = cur;
+            acc[0][dn][2 * hh] = 0.f;
+            acc[0][dn][2 * hh + 1] = 0.f;
+          }
+          row_max[0][hh] = -INFINITY;
+          row_sum[0][hh] = 0.f;
+        }
+      };
+
+      // The pipeline, in straight-line segments (a wgmma or a read of its registers under a
+      // branch the compiler cannot prove finished makes ptxas serialize every wgmma, C7514):
+      //   block b_begin: S; the recurrence.
+      //   block b = b_begin + 1 .. my_end - 1: S of b on the tensor cores with P V of b - 1, the
+      //     recurrence of b, then (P V of b - 1 done) acc * alpha_b: per row the contract's order
+      //     acc = (acc * alpha_b) + P_b V_b. At a split's first block (MERGE) P V of b - 1 finishes
+      //     first and the finished split folds into the workspace before the recurrence of b.
+      //   then P V of the last block; then the skipped blocks, waited for and released.
+      // Each block and the final P V is one ping-pong turn for both consumers (b_end - b_begin + 1),
+      // skipped blocks included, so the turns pair up.
+      // EXACT: P V of the block in stage st by cuts (rs_product_by_cuts); a row's allowed keys end
+      // at row_last_key.
+      auto pv_by_cuts = [&](int st, int key0) {
+        uint8_t* scratch = cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
+#pragma unroll 1
+        for (int kc = 0; kc < Cfg::KEY_STEPS; ++kc) {
+          int count[2];
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int c = row_last_key[0][hh] - (key0 + 16 * kc) + 1;
+            count[hh] = c < 0 ? 0 : c > 16 ? 16 : c;
+          }
+          uint32_t a[4] = {pa[0][0], pa[0][1], pa[0][2], pa[0][3]};  // pa[kc] (a runtime index: local memory)
+#pragma unroll
+          for (int c = 1; c < Cfg::KEY_STEPS; ++c) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) a[r] = c == kc ? pa[c][r] : a[r];
+          }
+          rs_product_by_cuts<T, D, true>(acc_flat, a, v_stage(st) + 16 * kc * 128, kBoxBytes, scratch, count, tid,
+                                         kConsumerBar + consumer);
+        }
+      };
+
+      int prev_stage = stage;
+      uint32_t prev_phase = phase;
+      auto step_scores_and_pv = [&](bool with_pv) {
+        mbar_wait(&k_full[stage], phase);
+        if (with_pv) mbar_wait(&v_full[prev_stage], prev_phase);
+        turn_sync();
+        wgmma_fence();
+        issue_scores(stage);
+        wgmma_commit();
+        if (with_pv) {
+          issue_pv(prev_stage);
+          wgmma_commit();
+        }
+        turn_pass();
+      };
+      if constexpr (EXACT) {
+        // In sequence, no ping-pong: S, the recurrence, P V (by cuts where the warpgroup's rows
+        // have masked keys in the block: past kv_len or past the first row's causal position).
+        const int my_first_pos = first_pos + my_row0 / group;
+        for (int b = b_begin; b < b_end; ++b) {
+          mbar_wait(&k_full[stage], phase);
+          mbar_wait(&v_full[stage], phase);
+          if (b < my_end) {
+            wgmma_fence();
+            issue_scores(stage);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_accumulators(score_flat);
+            if (MERGE && b > 0 && b % kSplitBlocks == 0) fold_split(b);
+            if (softmax(b)) rescale_acc();
+            to_p();
+            const int key0 = b * kKvBlock;
+            if (key0 + kKvBlock > kv_len || (p.causal && key0 + kKvBlock - 1 > my_first_pos)) {
+              pv_by_cuts(stage, key0);
+            } else {
+              wgmma_fence();
+              issue_pv(stage);
+              wgmma_commit();
+              wgmma_wait<0>();
+              fence_accumulators(acc_flat);
+            }
+          }
+          release(stage);
+          advance();
+        }
+        release_q();
+      } else if (my_end > b_begin) {
+        step_scores_and_pv(false);
+        wgmma_wait<0>();
+        fence_accumulators(score_flat);
+        if (softmax(b_begin)) rescale_acc();
+        to_p();
+        prev_stage = stage;
+        prev_phase = phase;
+        advance();
+        for (int b = b_begin + 1; b < my_end; ++b) {
+          step_scores_and_pv(true);
+          if (MERGE && b % kSplitBlocks == 0) {
+            wgmma_wait<0>();
+            fence_accumulators(score_flat);
+            fence_accumulators(acc_flat);
+            release(prev_stage);
+            fold_split(b);
+            if (softmax(b)) rescale_acc();
+          } else {
+            wgmma_wait<1>();  // S done; P V of b - 1 may still run (pa is rewritten only after it)
+            fence_accumulators(score_flat);
+            const bool rescale = softmax(b);
+            wgmma_wait<0>();
+            fence_accumulators(acc_flat);
+            release(prev_stage);
+            if (rescale) rescale_acc();
+          }
+          to_p();
+          prev_stage = stage;
+          prev_phase = phase;
+          advance();
+        }
+        release_q();  // every S of the tile is done
+        mbar_wait(&v_full[prev_stage], prev_phase);
+        turn_sync();
+        wgmma_fence();
+        issue_pv(prev_stage);
+        wgmma_commit();
+        turn_pass();
+        wgmma_wait<0>();
+        fence_accumulators(acc_flat);
+        release(prev_stage);
+      } else {
+        release_q();
+        turn_sync();  // the turn of the final P V
+        turn_pass();
+      }
+      for (int b = my_end; b < b_end && !EXACT; ++b) {
+        turn_sync();
+        turn_pass();
+        // Released only once loaded, so that the release counts toward this use of the stage
+        // (the producer waits for both consumers' releases of each use).
+        mbar_wait(&k_full[stage], phase);
+        mbar_wait(&v_full[stage], phase);
+        release(stage);
+        advance();
+      }
+      if (!active) continue;
+
+      // Epilogue: rows < q_len * G. out = acc * (1 / l) rounded once, lse by lane t = 0; a row
+      // past its first split merges its last partial into the earlier ones' state.
+      bool nonfinite = false;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = warp_row0 + 8 * hh + g;
+        if (row >= rows) continue;
+        const int64_t i = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
+        const int64_t lse_at = sq.lse_base + h * p.lse_stride_head + i;
+        float m = row_max[0][hh], l = row_sum[0][hh];
+        if constexpr (PER_SPLIT) {
+          // A row with several splits leaves this split's partial for the combine kernel.
+          const int row_splits = row_last_key[0][hh] / static_cast<int>(kAttentionKvSplit) + 1;
+          if (split >= row_splits) continue;
+          if (row_splits > 1) {
+            const int64_t slot = lse_at * w.slots + split;
+            if (t == 0) *reinterpret_cast<float2*>(w.ml + 2 * slot) = make_float2(m, l);
+            float* wa = w.acc + slot * D + 2 * t;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+              const float2 a = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
+              nonfinite = nonfinite || !isfinite(a.x) || !isfinite(a.y);
+              *reinterpret_cast<float2*>(wa + dn * 8) = a;
+            }
+            continue;
+          }
+        }
+        const bool merged = MERGE && row_last_key[0][hh] >= static_cast<int>(kAttentionKvSplit);
+        SplitMergeWeights wt{1.f, 1.f};
+        if (merged) {
+          m = w.ml[2 * lse_at];
+          l = w.ml[2 * lse_at + 1];
+          wt = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
+        }
+        const float inv_l = reciprocal(l);
+        T* out_row = out + sq.q_base + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
+        const float* wa = w.acc + lse_at * D + 2 * t;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+          float a0 = acc[0][dn][2 * hh], a1 = acc[0][dn][2 * hh + 1];
+          if (merged) {
+            const float2 prev = *reinterpret_cast<const float2*>(wa + dn * 8);
+            a0 = merge_elem(prev.x, a0, wt);
+            a1 = merge_elem(prev.y, a1, wt);
+          }
+          nonfinite = nonfinite || !isfinite(a0) || !isfinite(a1);
+          *reinterpret_cast<uint32_t*>(out_row + dn * 8) = pack_rounded<T>(__fmul_rn(a0, inv_l), __fmul_rn(a1, inv_l));
+        }
+        if (t == 0) p.lse[lse_at] = final_lse(m, l);
+      }
+      if (!EXACT && w.masked_nonfinite != nullptr && __any_sync(0xffffffffu, nonfinite) && lane == 0) {
+        *w.masked_nonfinite = 1;
+      }
+    }
+  }
+#endif  // RL_ALIGN_SM90A_DEVICE
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------------
+
+// The two configurations, chosen from shapes only (every one gives the same bits):
+//   few rows (a decode step, short chunks: at most one consumer tile of rows per sequence and kv
+//     head): one consumer, a 3-block ring, two CTAs per SM, so that a few long sequences' splits
+//     keep the GPU's bandwidth busy;
+//   prefill: two consumers taking ping-pong turns over a 4-block ring.
+template <int D>
+using FewRowsConfig = Sm90FwdConfig<D, 1, 3, false, 2>;
+template <int D>
+using PrefillConfig = Sm90FwdConfig<D, 2, 4, true>;
+
+bool few_rows(const AttentionProblem& p) { return p.max_q_len * (p.heads_q / p.heads_kv) <= kConsumerRows; }
+
+// A persistent grid (one wave of CTAs walking the heavy-first tile order) where no row crosses a
+// split: measured on the H100, 7% faster than one CTA per tile at 8 x 1024 tokens, 5% slower at
+// 1 x 16384 (the tile order's L2 sections then matter less than the last wave's balance).
+bool persistent_grid(const AttentionProblem& p) { return attention_split_count(p) <= 1; }
+
+template <typename T, typename Cfg, bool SCALE_NONNEG, SplitMode MODE, bool EXACT>
+gpuError_t launch_kernel(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w, const OperandMap& kv_at,
+                         float scale_log2, bool persistent, gpuStream_t stream) {
+  auto kernel = attention_fwd_sm90_kernel<T, Cfg, SCALE_NONNEG, MODE, EXACT>;
+  constexpr int kSmem = sm90_fwd_smem_bytes<Cfg, EXACT>();
+  static std::atomic<uint64_t> raised{0};
+  gpuError_t err = allow_dynamic_smem(kernel, kSmem, raised);
+  if (err != cudaSuccess) return err;
+  CUtensorMap k_map, v_map;
+  if (!encode_operand_map(&k_map, kv_at, dtype, p.k, p.head_dim, p.kv_elements) ||
+      !encode_operand_map(&v_map, kv_at, dtype, p.v, p.head_dim, p.kv_elements)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t group = p.heads_q / p.heads_kv;
+  TileOrder order;
+  order.tiles_max = ceil_div(p.max_q_len * group, static_cast<int64_t>(Cfg::BLOCK_M));
+  order.grid_y = MODE == SplitMode::kPerSplit ? p.heads_kv * attention_split_count(p) : p.heads_kv;
+  order.pairs = p.num_seqs * order.grid_y;
+  order.total = order.pairs * order.tiles_max;
+  // Sections of pairs whose K/V (one kv head of one sequence each) take about 20 MB of L2.
+  const int64_t kv_pair_bytes = 2 * p.max_kv_len * p.head_dim * 2;
+  const int64_t pps = (int64_t{20} << 20) / (kv_pair_bytes > 0 ? kv_pair_bytes : 1);
+  order.pairs_per_section = pps < 1 ? 1 : pps > order.pairs ? order.pairs : pps;
+  // The EXACT launch mostly finds nothing to do: one wave keeps it to a few microseconds.
+  const int64_t wave = static_cast<int64_t>(multiprocessor_count(current_device())) * Cfg::MIN_BLOCKS;
+  const int64_t cap = persistent || EXACT ? wave : INT32_MAX;
+  const int64_t ctas = order.total < cap ? order.total : cap;
+  kernel<<<static_cast<unsigned>(ctas), Cfg::THREADS, kSmem, stream>>>(k_map, v_map, kv_at, p, w, order,
+                                                                       static_cast<int>(group), scale_log2);
+  return cudaGetLastError();
+}
+
+// The fast kernel; then, where keys are masked inside a sequence (more than one query), the EXACT
+// one, which recomputes only if the fast one flagged a non-finite result; then the split merge.
+template <typename T, typename Cfg, bool SCALE_NONNEG, SplitMode MODE>
+gpuError_t launch(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w, const OperandMap& kv_at,
+                  float scale_log2, gpuStream_t stream) {
+  const bool persistent = Cfg::PINGPONG && persistent_grid(p);
+  gpuError_t err = launch_kernel<T, Cfg, SCALE_NONNEG, MODE, false>(dtype, p, w, kv_at, scale_log2, persistent, stream);
+  if (err == cudaSuccess && p.max_q_len > 1) {
+    err = launch_kernel<T, Cfg, SCALE_NONNEG, MODE, true>(dtype, p, w, kv_at, scale_log2, persistent, stream);
+  }
+  if (err != cudaSuccess || MODE != SplitMode::kPerSplit) return err;
+  return attention_split_combine(dtype, p, w, stream);
+}
+
+template <typename T, typename Cfg, SplitMode MODE>
+gpuError_t launch_sign(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w, const OperandMap& kv_at,
+                       gpuStream_t stream) {
+  const float scale_log2 = scale_log2e(p);
+  if (scale_log2 < 0.f) return launch<T, Cfg, false, MODE>(dtype, p, w, kv_at, scale_log2, stream);
+  return launch<T, Cfg, true, MODE>(dtype, p, w, kv_at, scale_log2, stream);
+}
+
+template <typename T, int D>
+gpuError_t dispatch_config(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                           const OperandMap& kv_at, gpuStream_t stream) {
+  // w.slots: attention_fwd_split_slots (per-split slots only for few rows).
+  if (w.slots > 1) return launch_sign<T, FewRowsConfig<D>, SplitMode::kPerSplit>(dtype, p, w, kv_at, stream);
+  if (few_rows(p)) {
+    if (w.slots == 1) return launch_sign<T, FewRowsConfig<D>, SplitMode::kMerge>(dtype, p, w, kv_at, stream);
+    return launch_sign<T, FewRowsConfig<D>, SplitMode::kNone>(dtype, p, w, kv_at, stream);
+  }
+  if (w.slots == 1) return launch_sign<T, PrefillConfig<D>, SplitMode::kMerge>(dtype, p, w, kv_at, stream);
+  return launch_sign<T, PrefillConfig<D>, SplitMode::kNone>(dtype, p, w, kv_at, stream);
+}
+
+}  // namespace
+
+bool attention_sm90_compiled_for(int device) {
+  // Asked at every call (the path choice): the answer per device is cached.
+  static std::atomic<int> known[64];  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= 64) return false;
+  const int cached = known[device].load(std::memory_order_relaxed);
+  if (cached != 0) return cached == 2;
+  cudaFuncAttributes attr{};
+  bool ok = cudaFuncGetAttributes(&attr, attention_fwd_sm90_kernel<bfloat16_t, PrefillConfig<128>, true,
+                                                                   SplitMode::kNone, false>) == cudaSuccess;
+  if (!ok) (void)cudaGetLastError();
+  int major = 0, minor = 0;
+  (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  (void)cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  // The sm_90a cubin (binaryVersion 90) runs only on compute capability 9.0.
+  ok = ok && major == 9 && minor == 0 && attr.binaryVersion == 90 && tensor_map_encoder() != nullptr;
+  known[device].store(ok ? 2 : 1, std::memory_order_relaxed);
+  return ok;
+}
+
+// Problem requirements: tensor_core_attention_problem_error and tensor_core_workspace_ok
+// (tensor_core.h), and K and V addressable through tensor maps (operand_mappable: the launcher
+// sends other layouts to the sm80 path, attention_sm90_layout_problem); cudaErrorInvalidValue
+// otherwise.
+gpuError_t attention_fwd_sm90(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                              gpuStream_t stream) {
+  const gpuError_t err = tensor_core_attention_problem_error(dtype, p, 1);  // a 1-D grid
+  if (err != cudaSuccess || p.num_seqs == 0 || p.max_q_len == 0) return err;
+  OperandMap kv_at;
+  if (!tensor_core_workspace_ok(p, w) ||
+      !operand_mappable(p.kv_stride_token, p.kv_stride_head, p.heads_kv, p.kv_elements, p.kv_stride_outer, &kv_at)) {
+    return cudaErrorInvalidValue;
+  }
+  return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
+      dtype,
+      [&](auto tag) {
+        using T = decltype(tag);
+        return p.head_dim == 64 ? dispatch_config<T, 64>(dtype, p, w, kv_at, stream)
+                                : dispatch_config<T, 128>(dtype, p, w, kv_at, stream);
+      },
+      gpu_not_supported);
+}
+
+}  // namespace rl_align
+
+#else  // RL_ALIGN_HIP
+
+namespace rl_align {
+bool attention_sm90_compiled_for(int) { return false; }
+gpuError_t attention_fwd_sm90(DType, const AttentionProblem&, const AttentionFwdWorkspace&, gpuStream_t) {
+  return RL_GPU(ErrorNotSupported);
+}
+}  // namespace rl_align
+
+#endif  // RL_ALIGN_HIP

@@ -1,0 +1,461 @@
+// Hopper (sm_90a) GEMM for the linear ops: TMA bulk copies into a shared-memory ring, wgmma
+// from shared memory, fp32 accumulators in registers, a persistent grid.
+//
+// Roles: warpgroup 0 is the producer (one thread issues TMA copies STAGES k-blocks ahead);
+// warpgroups 1..CONSUMERS each own 64 rows of the BM x BN tile and run wgmma m64nBNk16.
+//
+// Invariance: every configuration below runs the same per-element arithmetic. The accumulator of
+// C[i, j] starts at zero (or the saved fp32 accumulator) and takes the k16 chunks k = 0, 16, 32, ...
+// in increasing order, one wgmma per chunk, whatever BM, BN, STAGES or the tile order are; rows
+// beyond m are TMA zero fill, and the k tail is zero fill (exact zeros). The configuration is
+// picked from the tile count for speed only; the GPU tests prove that every configuration gives
+// the same bits (wgmma's per-element result does not depend on the instruction's n).
+#include "../linear_kernels.h"
+
+#if !RL_ALIGN_HIP
+
+#include <cstring>
+#include <mutex>
+#include <type_traits>
+
+#include "../../primitives/sm90_async.h"
+#ifdef RL_ALIGN_SM90A_DEVICE
+#include "../../primitives/wgmma_instructions.h"
+#endif
+
+namespace rl_align {
+namespace {
+
+// k-block: 64 bf16/fp16 = 128 bytes, the span of the 128-byte swizzle that TMA writes and wgmma
+// reads. Every operand tile is a stack of such 128-byte rows.
+constexpr int kBlockK = 64;
+
+// CLUSTER CTAs (consecutive row tiles of one column tile) share the B tile: each loads
+// BN / CLUSTER of its columns and the copy engine multicasts them into every CTA of the cluster,
+// which halves the L2 traffic of B for CLUSTER = 2.
+template <int BM_, int BN_, int STAGES_, int CLUSTER_ = 1>
+struct Sm90Config {
+  static constexpr int BM = BM_;
+  static constexpr int BN = BN_;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int CLUSTER = CLUSTER_;
+  static constexpr int CONSUMERS = BM / 64;
+  static constexpr int THREADS = (CONSUMERS + 1) * kWarpgroupThreads;
+  static constexpr int A_STAGE_BYTES = BM * kBlockK * 2;
+  static constexpr int B_STAGE_BYTES = BN * kBlockK * 2;
+  static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
+  // Ring + two mbarriers per stage + slack to align the ring to the swizzle atom.
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + kSwizzleAtomBytes;
+  static_assert(BM % 64 == 0 && BN % 32 == 0 && BN <= 256, "wgmma tile");
+  static_assert(CLUSTER == 1 || (BN / CLUSTER) % 64 == 0, "multicast slices are whole swizzle rows");
+};
+
+// Decode (m <= 64): narrow column tiles so that enough CTAs stream the weight, and a deep ring so
+// that enough of it is in flight; the K-major weight allows 32 columns, an MN-major one needs a
+// whole 64-column swizzle row.
+using DecodeConfig = Sm90Config<64, 32, 16>;
+using DecodeMnConfig = Sm90Config<64, 64, 8>;
+using MediumConfig = Sm90Config<128, 128, 6>;
+using LargeConfig = Sm90Config<128, 256, 4, 2>;
+
+// Rows of A that a decode-size K-major A tile loads when m <= 16: the other rows of the 64-row
+// wgmma tile keep whatever shared memory held and only feed output rows >= m, which are never
+// stored (an MMA row depends on its own A row alone).
+constexpr int kDecodeSmallRows = 16;
+
+struct Sm90Epilogue {
+  void* c;
+  int64_t ldc;
+  const void* bias;
+  const float* c_accum;
+};
+
+#ifdef RL_ALIGN_SM90A_DEVICE
+
+constexpr int kMmaK = 16;       // k depth of one wgmma
+constexpr int kTileGroupM = 8;  // tile order: 8 row-tiles share each column sweep (L2 reuse)
+
+// Address of k16 chunk `s` of a k-block tile that starts at `base`: 16 elements = 32 bytes along
+// a K-major row; 16 rows of 128 bytes down an MN-major tile.
+template <bool MN_MAJOR>
+__device__ __forceinline__ uint32_t chunk_addr(uint32_t base, int s) {
+  return base + (MN_MAJOR ? s * kMmaK * kSwizzleRowBytes : s * kMmaK * 2);
+}
+
+__device__ __forceinline__ void tile_coords(int tile, int tiles_m, int tiles_n, int& mt, int& nt) {
+  const int group = kTileGroupM * tiles_n;
+  const int first_m = (tile / group) * kTileGroupM;
+  const int rows = min(tiles_m - first_m, kTileGroupM);
+  const int r = tile % group;
+  mt = first_m + r % rows;
+  nt = r / rows;
+}
+
+// fp32 output (weight gradients): each lane writes its column pair, 8 bytes.
+__device__ __forceinline__ void store_pair_fp32(const Sm90Epilogue& ep, int64_t m, int64_t n,
+                                                int64_t row, int64_t col, float v0, float v1) {
+  if (row >= m || col >= n) return;
+  const int64_t off = row * ep.ldc + col;
+  float* c = static_cast<float*>(ep.c) + off;
+  if (col + 1 < n && (off & 1) == 0) {
+    *reinterpret_cast<float2*>(c) = make_float2(v0, v1);
+  } else {
+    c[0] = v0;
+    if (col + 1 < n) c[1] = v1;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
+  struct alignas(4) Pair { T x, y; } pair{Convert<T>::from_float(v0), Convert<T>::from_float(v1)};
+  uint32_t bits;
+  memcpy(&bits, &pair, sizeof(bits));
+  return bits;
+}
+
+// 16-bit output: one row's two adjacent 8-column blocks (block j at col_j, block j+1 at col_j + 8)
+// of a lane quad. The bias is added in fp32 and each value rounded once; then shuffles hand each
+// lane 4 consecutive columns, so a quad writes 32 contiguous bytes (whole sectors) in one store.
+template <typename T>
+__device__ __forceinline__ void store_two_blocks(const Sm90Epilogue& ep, int64_t m, int64_t n,
+                                                 int64_t row, int64_t col_j, int lane, float a0,
+                                                 float a1, float b0, float b1) {
+  const int q = lane % 4;
+  if (ep.bias != nullptr) {
+    const T* bias = static_cast<const T*>(ep.bias);
+    const int64_t ca = col_j + 2 * q, cb = ca + 8;
+    if (ca < n) a0 += Convert<T>::to_float(bias[ca]);
+    if (ca + 1 < n) a1 += Convert<T>::to_float(bias[ca + 1]);
+    if (cb < n) b0 += Convert<T>::to_float(bias[cb]);
+    if (cb + 1 < n) b1 += Convert<T>::to_float(bias[cb + 1]);
+  }
+  const uint32_t pa = pack_pair<T>(a0, a1), pb = pack_pair<T>(b0, b1);
+  const int src = (lane & ~3) + (q & 1) * 2;
+  const uint32_t a_lo = __shfl_sync(0xffffffffu, pa, src), a_hi = __shfl_sync(0xffffffffu, pa, src + 1);
+  const uint32_t b_lo = __shfl_sync(0xffffffffu, pb, src), b_hi = __shfl_sync(0xffffffffu, pb, src + 1);
+  const uint32_t lo = q < 2 ? a_lo : b_lo, hi = q < 2 ? a_hi : b_hi;
+  const int64_t col = col_j + (q >= 2 ? 8 : 0) + (q & 1) * 4;
+  if (row >= m || col >= n) return;
+  const int64_t off = row * ep.ldc + col;
+  T* c = static_cast<T*>(ep.c) + off;
+  if (col + 3 < n && (off & 3) == 0) {
+    *reinterpret_cast<uint2*>(c) = make_uint2(lo, hi);
+  } else {
+    T vals[4];
+    memcpy(vals, &lo, 4);
+    memcpy(vals + 2, &hi, 4);
+    for (int e = 0; e < 4 && col + e < n; ++e) c[e] = vals[e];
+  }
+}
+
+#endif  // RL_ALIGN_SM90A_DEVICE
+
+template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM>
+__global__ void __launch_bounds__(Cfg::THREADS, 1)
+    linear_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
+                            const __grid_constant__ CUtensorMap tma_b, Sm90Epilogue ep, int m,
+                            int n, int k, uint32_t stage_tx_bytes) {
+#ifdef RL_ALIGN_SM90A_DEVICE
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, STAGES = Cfg::STAGES, CLUSTER = Cfg::CLUSTER;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  uint8_t* ring = smem_raw + ((raw + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes * kSwizzleAtomBytes - raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + STAGES * Cfg::STAGE_BYTES);
+  uint64_t* empty = full + STAGES;
+  auto a_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
+  auto b_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES + Cfg::A_STAGE_BYTES; };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      // A stage is free once the consumers of every CTA it was multicast into are done with it.
+      mbar_init(&empty[s], Cfg::CONSUMERS * CLUSTER);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if constexpr (CLUSTER > 1) cluster_sync(); else __syncthreads();
+
+  // The cluster walks units of CLUSTER row tiles x one column tile; CTA `rank` takes row tile
+  // CLUSTER * unit_row + rank (past the last row tile: all zero fill, nothing stored).
+  const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
+  const int tiles_m = (m + BM - 1) / BM;
+  const int units_m = (tiles_m + CLUSTER - 1) / CLUSTER;
+  const int tiles_n = (n + BN - 1) / BN;
+  const int num_units = units_m * tiles_n;
+  const int first_unit = blockIdx.x / CLUSTER, unit_stride = gridDim.x / CLUSTER;
+  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+
+  if (warpgroup == 0) {
+    if constexpr (Cfg::CONSUMERS > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int unit = first_unit; unit < num_units; unit += unit_stride) {
+        int mu, nt;
+        tile_coords(unit, units_m, tiles_n, mu, nt);
+        const int mt = mu * CLUSTER + rank;
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          mbar_arrive_expect_tx(&full[stage], stage_tx_bytes);
+          const int k0 = kb * kBlockK;
+          if constexpr (A_MN) {
+            for (int c = 0; c < BM / 64; ++c)
+              tma_load_2d(a_stage(stage) + c * kBlockK * kSwizzleRowBytes, &tma_a, &full[stage],
+                          mt * BM + c * 64, k0);
+          } else {
+            tma_load_2d(a_stage(stage), &tma_a, &full[stage], k0, mt * BM);
+          }
+          // This CTA's slice of the B tile: columns [rank, rank + 1) * BN / CLUSTER.
+          constexpr int kSlice = BN / CLUSTER;
+          auto load_b = [&](int offset, int inner, int outer) {
+            if constexpr (CLUSTER > 1) {
+              tma_load_2d_multicast(b_stage(stage) + offset, &tma_b, &full[stage], inner, outer,
+                                    static_cast<uint16_t>((1u << CLUSTER) - 1));
+            } else {
+              tma_load_2d(b_stage(stage) + offset, &tma_b, &full[stage], inner, outer);
+            }
+          };
+          if constexpr (B_MN) {
+            for (int c = rank * kSlice / 64; c < (rank + 1) * kSlice / 64; ++c)
+              load_b(c * kBlockK * kSwizzleRowBytes, nt * BN + c * 64, k0);
+          } else {
+            load_b(rank * kSlice * kSwizzleRowBytes, k0, nt * BN + rank * kSlice);
+          }
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    __syncwarp();
+  } else {
+    if constexpr (Cfg::CONSUMERS > 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int consumer = warpgroup - 1;
+    const int tid = threadIdx.x % kWarpgroupThreads;
+    const int warp = tid / 32, lane = tid % 32;
+    // A MN-major tiles hold 64-row chunks of A one after another; K-major tiles hold 128-byte rows.
+    const uint32_t a_offset = A_MN ? consumer * kBlockK * kSwizzleRowBytes : consumer * 64 * kSwizzleRowBytes;
+    constexpr uint32_t kMnChunkBytes = kBlockK * kSwizzleRowBytes;
+    auto release = [&](int s) {
+      if constexpr (CLUSTER > 1) {
+        for (uint32_t r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(&empty[s], r);
+      } else {
+        mbar_arrive(&empty[s]);
+      }
+    };
+    float acc[BN / 2];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int unit = first_unit; unit < num_units; unit += unit_stride) {
+      int mu, nt;
+      tile_coords(unit, units_m, tiles_n, mu, nt);
+      const int mt = mu * CLUSTER + rank;
+      // Accumulator fragment of m64nBN: thread row = 16 * warp + lane / 4 (+ 8), column pair
+      // 8 * j + 2 * (lane % 4); registers 4j, 4j+1 on the first row, 4j+2, 4j+3 eight rows down.
+      const int64_t row0 = static_cast<int64_t>(mt) * BM + consumer * 64 + warp * 16 + lane / 4;
+      const int64_t col0 = static_cast<int64_t>(nt) * BN + 2 * (lane % 4);
+      // A saved accumulator (chained weight gradients) is loaded into the registers; otherwise the
+      // first chunk runs with scale-d = 0. Registers written by ordinary code serialize the wgmma
+      // pipeline (ptxas C7515), so only the chained variant pays for it.
+      if constexpr (HAS_ACCUM) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int64_t row = row0 + 8 * h, col = col0 + 8 * j;
+            const float* src = ep.c_accum + row * ep.ldc + col;
+            acc[4 * j + 2 * h] = row < m && col < n ? src[0] : 0.f;
+            acc[4 * j + 2 * h + 1] = row < m && col + 1 < n ? src[1] : 0.f;
+          }
+        }
+        fence_accumulators(acc);
+      }
+      int held_stage = -1;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(&full[stage], phase);
+        const uint32_t a_base = smem_addr(a_stage(stage)) + a_offset;
+        const uint32_t b_base = smem_addr(b_stage(stage));
+        wgmma_fence();
+        // The k16 chunks go in increasing k: this order is the invariance contract.
+#pragma unroll
+        for (int s = 0; s < kBlockK / kMmaK; ++s) {
+          Wgmma<BN, T>::template mma<A_MN ? 1 : 0, B_MN ? 1 : 0>(
+              acc, smem_desc(chunk_addr<A_MN>(a_base, s), kMnChunkBytes, kSwizzleAtomBytes),
+              smem_desc(chunk_addr<B_MN>(b_base, s), kMnChunkBytes, kSwizzleAtomBytes),
+              HAS_ACCUM || kb > 0 || s > 0);
+        }
+        wgmma_commit();
+        // Keep this k-block's MMAs in flight; the previous block's are done, free its stage.
+        wgmma_wait<1>();
+        if (held_stage >= 0 && tid == 0) release(held_stage);
+        held_stage = stage;
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+      if (held_stage >= 0 && tid == 0) release(held_stage);
+#pragma unroll
+      for (int j = 0; j < BN / 8; j += 2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t row = row0 + 8 * h;
+          const int a = 4 * j + 2 * h, b = a + 4;  // block j's pair, block j + 1's pair
+          if constexpr (C_FP32) {
+            store_pair_fp32(ep, m, n, row, col0 + 8 * j, acc[a], acc[a + 1]);
+            store_pair_fp32(ep, m, n, row, col0 + 8 * j + 8, acc[b], acc[b + 1]);
+          } else {
+            store_two_blocks<T>(ep, m, n, row, col0 - 2 * (lane % 4) + 8 * j, lane, acc[a],
+                                acc[a + 1], acc[b], acc[b + 1]);
+          }
+        }
+      }
+    }
+  }
+  // No CTA may leave while a partner can still multicast into it or arrive on its barriers.
+  if constexpr (CLUSTER > 1) cluster_sync();
+#endif  // RL_ALIGN_SM90A_DEVICE
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------------
+
+// A row-major [outer, inner] operand read in boxes of [box_outer, 64] (128-byte swizzle). Out of
+// range rows and columns read as zeros.
+bool encode_operand(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int64_t outer,
+                    int64_t ld, int box_outer) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_outer)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(
+      map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      2, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM>
+gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
+  auto kernel = linear_gemm_sm90_kernel<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM>;
+  static std::once_flag once;
+  static int blocks_per_sm = 0;
+  static gpuError_t setup_error = cudaSuccess;
+  std::call_once(once, [&] {
+    setup_error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       Cfg::SMEM_BYTES);
+    if (setup_error == cudaSuccess)
+      setup_error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
+                                                                  Cfg::THREADS, Cfg::SMEM_BYTES);
+  });
+  if (setup_error != cudaSuccess) return setup_error;
+  CUtensorMap map_a, map_b;
+  // A: K-major [m, k] boxes of [a_rows, 64]; MN-major [k, m] boxes of [64 k, 64 m].
+  const int a_rows = !A_MN && Cfg::BM == 64 && p.m <= kDecodeSmallRows ? kDecodeSmallRows : Cfg::BM;
+  const bool ok_a = A_MN ? encode_operand(&map_a, dtype, p.a, p.m, p.k, p.lda, kBlockK)
+                         : encode_operand(&map_a, dtype, p.a, p.k, p.m, p.lda, a_rows);
+  const bool ok_b = B_MN ? encode_operand(&map_b, dtype, p.b, p.n, p.k, p.ldb, kBlockK)
+                         : encode_operand(&map_b, dtype, p.b, p.k, p.n, p.ldb, Cfg::BN / Cfg::CLUSTER);
+  if (!ok_a || !ok_b) return cudaErrorInvalidValue;
+  const uint32_t tx_bytes = (A_MN ? Cfg::A_STAGE_BYTES : a_rows * kSwizzleRowBytes) + Cfg::B_STAGE_BYTES;
+  const int64_t units = ceil_div(ceil_div(p.m, Cfg::BM), Cfg::CLUSTER) * ceil_div(p.n, Cfg::BN);
+  const int64_t slots = static_cast<int64_t>(multiprocessor_count(current_device())) *
+                        (blocks_per_sm > 0 ? blocks_per_sm : 1) / Cfg::CLUSTER;
+  const int grid = static_cast<int>((units < slots ? units : slots) * Cfg::CLUSTER);
+  const Sm90Epilogue ep{p.c, p.ldc, p.bias, p.c_accum};
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(Cfg::THREADS);
+  config.dynamicSmemBytes = Cfg::SMEM_BYTES;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = Cfg::CLUSTER;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  const gpuError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_b, ep, static_cast<int>(p.m),
+                                            static_cast<int>(p.n), static_cast<int>(p.k), tx_bytes);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
+template <typename T, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM>
+gpuError_t dispatch_config(DType dtype, const GemmProblem& p, gpuStream_t stream) {
+  if (p.m <= 64) {
+    using Cfg = typename std::conditional<B_MN, DecodeMnConfig, DecodeConfig>::type;
+    return launch_sm90<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM>(dtype, p, stream);
+  }
+  const int64_t large_tiles = ceil_div(p.m, LargeConfig::BM) * ceil_div(p.n, LargeConfig::BN);
+  if (large_tiles < multiprocessor_count(current_device()))
+    return launch_sm90<T, MediumConfig, A_MN, B_MN, C_FP32, HAS_ACCUM>(dtype, p, stream);
+  return launch_sm90<T, LargeConfig, A_MN, B_MN, C_FP32, HAS_ACCUM>(dtype, p, stream);
+}
+
+// The layouts and outputs the linear ops use: forward; grad input, also as fp32 partial sums
+// continued from an accumulator (linear_logprob's vocabulary slices); grad weight as fp32
+// (chained) or in the input dtype (linear_logprob's weight gradient for autograd).
+template <typename T>
+gpuError_t dispatch_layout(DType dtype, const GemmProblem& p, gpuStream_t stream) {
+  const bool accum = p.c_accum != nullptr;
+  if (accum && !p.c_fp32) return cudaErrorNotSupported;
+  if (!p.a_mn_major && !p.b_mn_major && !p.c_fp32)
+    return dispatch_config<T, false, false, false, false>(dtype, p, stream);  // forward
+  if (p.bias != nullptr) return cudaErrorNotSupported;
+  if (!p.a_mn_major && p.b_mn_major) {  // grad input
+    if (!p.c_fp32) return dispatch_config<T, false, true, false, false>(dtype, p, stream);
+    if (accum) return dispatch_config<T, false, true, true, true>(dtype, p, stream);
+    return dispatch_config<T, false, true, true, false>(dtype, p, stream);
+  }
+  if (p.a_mn_major && p.b_mn_major) {  // grad weight
+    if (!p.c_fp32) return dispatch_config<T, true, true, false, false>(dtype, p, stream);
+    if (accum) return dispatch_config<T, true, true, true, true>(dtype, p, stream);
+    return dispatch_config<T, true, true, true, false>(dtype, p, stream);
+  }
+  return cudaErrorNotSupported;
+}
+
+}  // namespace
+
+bool gemm_sm90_compiled_for(int device) {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, linear_gemm_sm90_kernel<bfloat16_t, LargeConfig, false, false,
+                                                           false, false>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  int major = 0, minor = 0;
+  (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  (void)cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  // The sm_90a cubin (binaryVersion 90) runs only on compute capability 9.0.
+  return major == 9 && minor == 0 && attr.binaryVersion == 90 && tensor_map_encoder() != nullptr;
+}
+
+gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
+  if (p.m <= 0 || p.n <= 0 || p.k <= 0) return cudaErrorInvalidValue;
+  if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX) return cudaErrorInvalidValue;
+  return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
+      dtype, [&](auto tag) { return dispatch_layout<decltype(tag)>(dtype, p, stream); },
+      gpu_not_supported);
+}
+
+}  // namespace rl_align
+
+#else  // RL_ALIGN_HIP
+
+namespace rl_align {
+bool gemm_sm90_compiled_for(int) { return false; }
+gpuError_t linear_gemm_sm90(DType, const GemmProblem&, gpuStream_t) {
+  return hipErrorNotSupported;
+}
+}  // namespace rl_align
+
+#endif  // RL_ALIGN_HIP

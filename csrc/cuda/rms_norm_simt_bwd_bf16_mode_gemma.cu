@@ -1,5 +1,0 @@
-// rms_norm_bwd_simt's bf16 kernels of casting mode gemma, in a file of their own for build time
-// (rms_norm_simt.cuh).
-#include "rms_norm_simt.cuh"
-
-template struct rl_align::RmsNormBwdSimt<rl_align::bfloat16_t, rl_align::RmsNormMode::kGemma>;

@@ -1,5 +1,0 @@
-// rms_norm_bwd_simt's fp32 kernels of casting mode fp32, in a file of their own for build time
-// (rms_norm_simt.cuh).
-#include "rms_norm_simt.cuh"
-
-template struct rl_align::RmsNormBwdSimt<float, rl_align::RmsNormMode::kFp32>;

@@ -1,4 +1,0 @@
-// rms_norm_fwd_simt's fp32 kernels, in a file of their own for build time (rms_norm_simt.cuh).
-#include "rms_norm_simt.cuh"
-
-template struct rl_align::RmsNormFwdSimt<float>;
