@@ -17,7 +17,8 @@ costs at most 1.10x today's. Not measured here: the stable ABI's boxed calling c
 kernels themselves (it would add to the Python side, not subtract).
 
 Cases (Qwen3-8B dimensions on CUDA; small ones on the CPU with --quick): each differentiable op
-forward+backward and forward under no_grad at M=1 and M=8192 tokens, and a patched 2-layer
+that its family's ``OpSpec.host_cost_args`` lists, forward+backward and forward under no_grad at
+M=1 and M=8192 tokens, and a patched 2-layer
 Qwen3-8B-shaped model: decode step (no_grad, 1 token on a 128-token cache), training step
 (forward + backward + token log-probs) at 1 x 8 and 8 x 1024 tokens.
 """
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext as rl  # noqa: E402
 from benchmarks.common import ABBA_LEGEND, abba, bench_arg_parser, bench_wall, start_run, verdict  # noqa: E402
-from rl_engine_ext.ops import op_defs  # noqa: E402
+from rl_engine_ext.ops import SPECS, op_defs  # noqa: E402
 from rl_engine_ext.ops._spec import OPS  # noqa: E402
 
 _EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "sampler_trainer.py")
@@ -69,48 +70,23 @@ class PythonAutograd:
 
 
 def _op_cases(device: str, dims: dict, tokens: list[int]):
-    """(op, M, leaf tensors, call(leaves) -> the op's outputs) per op and token count M."""
-    h, inter, hq, hkv, d, vocab = (dims[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                   "num_key_value_heads", "head_dim", "vocab_size"))
-    bf16 = dict(device=device, dtype=torch.bfloat16)
-    w_h = torch.randn(h, **bf16) * 0.1 + 1
-    w_lin = torch.randn(h, h, **bf16) * h**-0.5
-    w_vocab = torch.randn(vocab, h, **bf16) * h**-0.5
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    """(op, M, args, the op's OpOverload) per differentiable op and token count M, from each
+    family's ``OpSpec.host_cost_args`` (a new op brings its own row)."""
     for m in tokens:
-        x = torch.randn(m, h, **bf16)
-        cu = torch.tensor([0, m], device=device, dtype=torch.int32)
-        ids = torch.randint(0, vocab, (m,), device=device)
-        q, k = torch.randn(m, hq, d, **bf16), torch.randn(m, hkv, d, **bf16)
-        v = torch.randn(m, hkv, d, **bf16)
-        gate_up = torch.randn(m, 2 * inter, **bf16)
-        pos = torch.arange(m, device=device)
-        leaves = {"linear": (x, w_lin), "rms_norm": (x, w_h), "add_rms_norm": (x, x.clone(), w_h),
-                  "silu_and_mul": (gate_up,), "rope": (q, k), "attention_varlen": (q, k, v),
-                  "embedding": (w_lin,), "linear_logprob": (x, w_vocab)}
-        calls = {
-            "linear": lambda a: OPS.linear(*a),
-            "rms_norm": lambda a: OPS.rms_norm(*a, 1e-6, "llama"),
-            "add_rms_norm": lambda a: OPS.add_rms_norm(*a, 1e-6, "llama"),
-            "silu_and_mul": lambda a: OPS.silu_and_mul(*a),
-            "rope": lambda a: OPS.rope(*a, pos, inv_freq, "neox", "thd", 1.0),
-            "attention_varlen": lambda a, m=m, cu=cu: OPS.attention_varlen(*a, cu, m, None, True, False),
-            "embedding": lambda a, ids=ids: OPS.embedding(ids % a[0].shape[0], a[0]),
-            "linear_logprob": lambda a, ids=ids: OPS.linear_logprob(*a, ids),
-        }
-        for name, call in calls.items():
-            yield name, m, leaves[name], call
+        for s in SPECS:
+            if s.host_cost_args is None:
+                continue
+            for name, args in s.host_cost_args(device, dims, m).items():
+                yield name, m, args, getattr(OPS, name)
 
 
-def _fwd_bwd(leaves, call):
-    inputs = tuple(t.detach().requires_grad_() for t in leaves)
-    out = call(inputs)
+def _fwd_bwd(args, op):
+    out = op(*args)
     out = out if isinstance(out, tuple) else (out,)
-    differentiable = [o for o in out if o.requires_grad]
-    grads = [torch.ones_like(o) for o in differentiable]
+    grads = [torch.ones_like(o) for o in out if o.requires_grad]
 
     def step():
-        result = call(inputs)
+        result = op(*args)
         result = [r for r in (result if isinstance(result, tuple) else (result,)) if r.requires_grad]
         torch.autograd.backward(result, grads)
 
@@ -178,12 +154,12 @@ def main() -> int:
         return pair.ratio
 
     decisive: list[float] = []
-    for name, m, leaves, call in _op_cases(device, dims, tokens):
+    for name, m, op_args, op in _op_cases(device, dims, tokens):
         shape = f"M={m}"
-        ratio = measure(name, shape, "fwd_bwd", _fwd_bwd(leaves, call), iters if m == 1 else max(3, iters // 20))
+        ratio = measure(name, shape, "fwd_bwd", _fwd_bwd(op_args, op), iters if m == 1 else max(3, iters // 20))
         if m == 1:
             decisive.append(ratio)
-            measure(name, shape, "fwd_no_grad", _forward_no_grad(leaves, call), iters)
+            measure(name, shape, "fwd_no_grad", _forward_no_grad(op_args, op), iters)
     for name, shape, fn in _model_cases(device, dims_name, train_shapes, 128 if not args.quick else 16):
         mode = "fwd_no_grad" if name == "model_decode_step" else "fwd_bwd"
         big = shape == f"{train_shapes[-1][0]}x{train_shapes[-1][1]}"
@@ -197,10 +173,10 @@ def main() -> int:
     return 0
 
 
-def _forward_no_grad(leaves, call):
+def _forward_no_grad(args, op):
     def step():
         with torch.no_grad():
-            call(leaves)
+            op(*args)
 
     return step
 

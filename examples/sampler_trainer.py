@@ -7,7 +7,9 @@ token's log-prob. The trainer then recomputes the same tokens' log-probs in othe
 compositions: the same padded batch, another padding (right padding, reversed order, an extra
 row), packed into one row, each sequence alone, and under ``torch.compile``. Every per-token
 log-prob must equal the sampler's bit for bit, so the PPO/GRPO ratio exp(logp_train -
-logp_sample) is exactly 1.0. The unpatched model is the negative control.
+logp_sample) is exactly 1.0. The unpatched model is the negative control. The patched part runs
+under strict mode (any fallback off the invariant kernels would raise) and prints the rl_align
+kernels (kernel, path, launches) of one trainer step, forward and backward.
 
     python examples/sampler_trainer.py                      # CPU, both models
     python examples/sampler_trainer.py --device cuda --dims qwen3-8b --models qwen3
@@ -111,13 +113,22 @@ def unpatched_control(model, ids, mask, new_tokens: int) -> float:
     return (trained - sampled).abs().max().item()
 
 
+def trainer_step_kernels(model, gen: rl.Generation) -> dict[tuple[str, str], int]:
+    """(kernel, path) -> launches of one trainer step on the sampled batch: the completion tokens'
+    log-probs, forward and backward (the gradients are dropped)."""
+    with rl.record_kernels() as ran:
+        logp = rl.token_logprobs(model, gen.sequences, gen.attention_mask, temperature=TEMPERATURE)
+        (-logp[gen.completion_mask].sum()).backward()
+    model.zero_grad(set_to_none=True)
+    return ran.counts
+
+
 def run(model_type: str, device: str = "cpu", dims: str = "tiny", dtype: torch.dtype = torch.bfloat16,
         prompt_lengths: tuple[int, ...] = (5, 17, 1, 11, 30), new_tokens: int = 8) -> dict:
     model = build_model(model_type, dims, device, dtype)
     ids, mask = left_padded_prompts(list(prompt_lengths), model.config.vocab_size, device)
     control = unpatched_control(model, ids, mask, new_tokens)
-    handle = rl.patch(model)
-    try:
+    with rl.strict(), rl.patch(model):  # strict: any fallback off the invariant kernels raises
         torch.manual_seed(0)
         with torch.no_grad():
             gen = rl.generate_with_logprobs(model, ids, mask, temperature=TEMPERATURE, max_new_tokens=new_tokens)
@@ -132,9 +143,9 @@ def run(model_type: str, device: str = "cpu", dims: str = "tiny", dtype: torch.d
             results[name] = dict(max_abs_delta=(train - sample).abs().max().item(),
                                  ratio_exactly_one=bool(torch.all(torch.exp(train - sample) == 1.0)),
                                  tokens=int(train.numel()))
-    finally:
-        handle.revert()
-    return dict(model=model_type, dims=dims, device=device, results=results, unpatched_max_abs_delta=control)
+        kernels = trainer_step_kernels(model, gen)
+    return dict(model=model_type, dims=dims, device=device, results=results, unpatched_max_abs_delta=control,
+                kernels=kernels)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:36s} tokens {r['tokens']:4d}  max |delta logp| = {r['max_abs_delta']:.3g}  "
                   f"ratio == 1.0: {r['ratio_exactly_one']}  {'OK' if ok else 'FAIL'}")
         print(f"  unpatched model (negative control)   max |delta logp| = {report['unpatched_max_abs_delta']:.3g}")
+        print("  rl_align kernels of one trainer step (forward + backward, strict mode): kernel, path, launches")
+        for (kernel, path), count in report["kernels"].items():
+            print(f"    {kernel:18s} {path:10s} {count:4d}")
     return 1 if failed else 0
 
 

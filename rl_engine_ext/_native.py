@@ -3,7 +3,8 @@
 RL_ENGINE_EXT_NO_NATIVE=1 (at install: skip the build; at import: skip the load) leaves every op
 on its pure-PyTorch reference, registered under the same schemas by rl_engine_ext._shim. That
 path warns once, here, because bitwise batch invariance is not guaranteed there: PyTorch's own
-kernels choose their reduction order from the shapes.
+kernels choose their reduction order from the shapes. Under strict mode (rl_engine_ext.strict) the
+import still only warns; each reference call raises (rl_engine_ext._shim).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ kernels.
 * Native library present but a device type without a native kernel (a CPU-only build given CUDA
   tensors, or XPU / MPS tensors): the reference is registered for that device and warns once per
   (op, device) when it first runs.
+* Either way, a reference kernel raises under strict mode (rl_engine_ext/strict_mode.py) and
+  counts as (op, "reference") in rl_engine_ext.record_kernels.
 * Always: every op's fake kernel (its Python checks, then empty outputs), which torch.compile and
   the meta device use; its autocast kernels (``OpDef.autocast``, rl_engine_ext/autocast.py); and
   ``ops._spec.OPS``, the OpOverloads the public functions call.
@@ -22,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _native, autocast
+from . import _native, autocast, provenance, strict_mode
 from .ops import OpDef, op_defs
 from .ops._spec import OPS
 
@@ -43,12 +45,23 @@ def schemas() -> dict[str, str]:
 
 
 def _reference_kernel(op: OpDef, key: str) -> Callable[..., Any]:
-    if not _native.NATIVE_AVAILABLE:
-        return op.reference  # the import already warned once for the whole library
-    warned = False
+    """op's reference as its kernel for dispatch key ``key``: refused under strict mode, counted by
+    record_kernels as (op, "reference"), and, when the native library is loaded (no kernel for this
+    device), a warning the first time it runs (without the library the import warned once)."""
+    if _native.NATIVE_AVAILABLE:
+        why = f"this build has no native kernel for {key}"
+        fix = "Run it on a device this build has kernels for (rl_engine_ext.has_native_kernel)"
+    else:
+        why = f"the native library is not loaded: {_native.NATIVE_UNAVAILABLE_REASON}"
+        fix = ("Build and load the native library (`pip install --no-build-isolation -e .`, "
+               "RL_ENGINE_EXT_NO_NATIVE unset)")
+    warned = not _native.NATIVE_AVAILABLE
 
     def kernel(*args: Any) -> Any:
         nonlocal warned
+        strict_mode.refuse(f"rl_align::{op.name} would run its pure-PyTorch reference, which is not batch invariant "
+                           f"({why})", fix)
+        provenance.note_reference(op.name)
         if not warned:
             warned = True
             warnings.warn(

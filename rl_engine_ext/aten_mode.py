@@ -30,6 +30,11 @@ Every route checks its arguments and returns None where it cannot compute the op
 dtypes, shapes, options, devices without a native kernel, fp32 while torch would use TF32); the
 registered kernel then calls torch's own kernel, taken with torch.library.get_kernel before ours
 was registered. A route never runs a Python reference: only native kernels are invariant.
+
+Strict mode (rl_engine_ext.strict) turns a declined floating-point call into a StrictModeError,
+except for the composite routes whose torch decomposition runs through routes again
+(STRICT_DEFERS_TO_DECOMPOSITION); the mode also watches a few row ops it never routes (softmax,
+layer norm, ...) so that strict mode refuses them too (docs/aten_mode.md, "Strict mode").
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _native, contract
+from . import _native, contract, strict_mode
 from .ops._spec import OPS
 from .ops.logprob import IGNORE_INDEX
 
@@ -297,6 +302,12 @@ def _scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 # Registration and the public switch
 # ---------------------------------------------------------------------------------------------
 
+def _never(*args: Any, **kwargs: Any) -> None:
+    """The route of the row ops the mode watches but never routes: strict mode refuses their
+    floating-point calls, torch's kernel runs them otherwise."""
+    return None
+
+
 # aten op -> (route, the keys it replaces, the key of torch's kernel to fall back to; None: the
 # replaced key's own).
 ROUTES: dict[str, tuple[Callable[..., Any], tuple[str, ...], str | None]] = {
@@ -313,13 +324,65 @@ ROUTES: dict[str, tuple[Callable[..., Any], tuple[str, ...], str | None]] = {
     "mean.dim": (_mean_dim, BACKEND_KEYS, None),
     "sum.dim_IntList": (_sum_dim, BACKEND_KEYS, None),
     "embedding_dense_backward": (_embedding_dense_backward, BACKEND_KEYS, None),
+    # Watched, never routed: row reductions models use whose torch kernels are not batch invariant
+    # (softmax: HF's eager attention; the matmul forms no route takes; layer norm and its
+    # weight-gradient sums). Only strict mode acts on them.
+    "_softmax": (_never, BACKEND_KEYS, None),
+    "_softmax_backward_data": (_never, BACKEND_KEYS, None),
+    "baddbmm": (_never, BACKEND_KEYS, None),
+    "addbmm": (_never, BACKEND_KEYS, None),
+    "_addmm_activation": (_never, BACKEND_KEYS, None),
+    "native_layer_norm": (_never, BACKEND_KEYS, None),
+    "native_layer_norm_backward": (_never, BACKEND_KEYS, None),
 }
 
 
-def _kernel(route: Callable[..., Any], torch_kernel) -> Callable[..., Any]:
+# Strict mode (rl_engine_ext.strict): composite routes whose declined calls it leaves to the
+# pieces of torch's decomposition, each a route again or a batch-level op: linear -> addmm or
+# matmul -> mm / bmm; cross entropy -> _log_softmax, then nll_loss (a gather and the loss's
+# reduction over the batch). Every other route refuses its declined floating-point calls.
+STRICT_DEFERS_TO_DECOMPOSITION = frozenset({"linear", "matmul", "cross_entropy_loss"})
+
+
+def _whole_tensor_reduction(x: torch.Tensor, dim=None, *args: Any, **kwargs: Any) -> bool:
+    """mean / sum over every dimension (a loss's ``.mean()``: dim None or [] here): one result for
+    the whole batch, which no order can make per-row invariant; strict mode lets it run."""
+    return not dim or sorted(d % max(x.dim(), 1) for d in dim) == list(range(x.dim()))
+
+
+# Declined calls strict mode lets through, per aten op (beside integer and boolean calls).
+STRICT_ALLOWS: dict[str, Callable[..., bool]] = {"mean": _whole_tensor_reduction, "sum": _whole_tensor_reduction}
+
+
+def _has_floating(args: tuple, kwargs: dict) -> bool:
+    """A floating-point tensor among the arguments (integer and boolean arithmetic is exact in any
+    order: a declined integer sum is not a fallback)."""
+    return any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in (*args, *kwargs.values()))
+
+
+def _describe(args: tuple, kwargs: dict) -> str:
+    def one(a: Any) -> str:
+        return f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}" if isinstance(a, torch.Tensor) else repr(a)
+
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
+
+
+def _kernel(name: str, route: Callable[..., Any], torch_kernel) -> Callable[..., Any]:
+    refuses = name not in STRICT_DEFERS_TO_DECOMPOSITION
+    allowed = STRICT_ALLOWS.get(name)
+
     def kernel(keyset, *args, **kwargs):
         out = route(*args, **kwargs)
-        return torch_kernel.call_boxed(keyset, *args, **kwargs) if out is None else out
+        if out is not None:
+            return out
+        if refuses and strict_mode.is_strict() and _has_floating(args, kwargs) and not (
+                allowed is not None and allowed(*args, **kwargs)):
+            what = "routed to rl_align but not for these arguments" if route is not _never else "never routed"
+            strict_mode.refuse(f"aten::{name}({_describe(args, kwargs)}) would run torch's kernel under "
+                               f"batch_invariant_mode ({what}; not batch invariant)",
+                               "docs/aten_mode.md lists what each route takes; change the call (dtype, dim, options), "
+                               "or wrap a deliberate torch computation in rl_engine_ext.strict(False)")
+        return torch_kernel.call_boxed(keyset, *args, **kwargs)
 
     return kernel
 
@@ -333,7 +396,7 @@ def _build_library() -> torch.library.Library:
                 if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(f"aten::{name}", fallback_key or key):
                     continue  # a CPU-only torch has no CUDA kernel for some ops: nothing to replace
                 torch_kernel = torch.library.get_kernel(f"aten::{name}", fallback_key or key)
-                lib.impl(name, _kernel(route, torch_kernel), key, with_keyset=True)
+                lib.impl(name, _kernel(name.split(".")[0], route, torch_kernel), key, with_keyset=True)
     return lib
 
 

@@ -63,7 +63,7 @@ _TOLERANCES: dict[tuple[str, str], dict[torch.dtype, Tolerance]] = {
     },
     # The reduction row except fp16 atol 1e-3 -> 3e-3. Reason: a flash-style backward rounds the
     # probabilities P and dS to the input dtype before the tensor-core products (as FlashAttention
-    # does). Measured on H100 vs the fp32 truth (benchmarks/results/h100_attention_summary.txt),
+    # does). Measured on H100 vs the fp32 truth (docs/perf/h100_attention_summary.txt),
     # the atol needed at rtol 1e-3: ours up to 1.5e-3, torch SDPA's flash backward up to 2.4e-3 on
     # the same inputs; 3e-3 admits the standard flash backward and no more.
     ("attention", "gradient"): {
@@ -94,11 +94,6 @@ def tolerance(op: str, dtype: torch.dtype, kind: str = "forward") -> Tolerance:
     if kind == "gradient" and (op_class, kind) not in _TOLERANCES:
         op_class = "reduction"
     return _TOLERANCES[(op_class, kind)][dtype]
-
-
-def tolerance_table() -> dict[tuple[str, str], dict[torch.dtype, Tolerance]]:
-    """A copy of the whole table, for reports and docs."""
-    return {key: dict(row) for key, row in _TOLERANCES.items()}
 
 
 @contextlib.contextmanager

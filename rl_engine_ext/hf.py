@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from . import main_grad as _mg
+from . import strict_mode
 from .ops.attention import attention_kvcache, attention_varlen
 from .ops.linear import LINEAR_GRAD_TILE_TOKENS
 from .ops.logprob import IGNORE_INDEX, logprob, temperature_error
@@ -503,8 +504,8 @@ class PatchHandle:
         patch()'s rules (raising, before anything changes, for a module it cannot run)."""
         plan, kept = _plan(child.named_modules(), self._prefix, self._owner, "rl_engine_ext.patch",
                            where, attached=True)
+        _check_kept(kept)
         _apply(plan, self._owner)
-        _warn_kept(kept)
 
     def __enter__(self) -> "PatchHandle":
         return self
@@ -633,8 +634,12 @@ def _apply(plan, owner: _Owner) -> None:
         module.__dict__[_OWNER] = owner
 
 
-def _warn_kept(kept: list[str]) -> None:
+def _check_kept(kept: list[str]) -> None:
+    """Modules with parameters that patch() leaves on torch: refused under strict mode (before the
+    model changes), a warning otherwise."""
     if kept:
+        strict_mode.refuse(f"rl_engine_ext.patch would leave {', '.join(kept)} on torch's kernels (not batch invariant)",
+                           "Replace or remove those modules, or patch without strict mode to keep them on torch")
         warnings.warn(f"rl_engine_ext.patch: left on torch's kernels (not batch invariant): {', '.join(kept)}",
                       RuntimeWarning, stacklevel=3)
 
@@ -677,8 +682,9 @@ def patch(model: nn.Module) -> PatchHandle:
     cannot run invariantly (transformers outside TRANSFORMERS_SUPPORTED; a module already covered
     by another patch: patches do not nest; an nn.Linear / nn.Embedding subclass with its own
     forward; a forward replaced on the instance); warns once naming any module with parameters it
-    leaves on torch. Dropout modules (a LoRA's lora_dropout) become the identity, and raise if
-    they run in training mode with p > 0. Modules attached later are patched as they are attached."""
+    leaves on torch (under strict mode, rl_engine_ext.strict, raises StrictModeError instead).
+    Dropout modules (a LoRA's lora_dropout) become the identity, and raise if they run in training
+    mode with p > 0. Modules attached later are patched as they are attached."""
     _check_transformers_version()
     prefix = _family(model)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -688,6 +694,7 @@ def patch(model: nn.Module) -> PatchHandle:
     _check_config(model, rotary)
     owner = _Owner()
     plan, kept = _plan(model.named_modules(), prefix, owner, "rl_engine_ext.patch", lambda: "")
+    _check_kept(kept)
     register_attention()
     _install_registration_hook()
     previous = model.config._attn_implementation
@@ -695,7 +702,6 @@ def patch(model: nn.Module) -> PatchHandle:
     _apply(plan, owner)
     model.__dict__[_HANDLE] = handle
     model.config._attn_implementation = IMPLEMENTATION
-    _warn_kept(kept)
     return handle
 
 

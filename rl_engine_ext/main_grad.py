@@ -11,46 +11,67 @@ last has a multiple of the tile of each op it runs:
     rms_norm, add_rms_norm                     rms_norm_tile_rows(H) rows (32 for H = 4096)
     embedding                                  any number of tokens
 
-and besides: the micro-batches in the one batch's token order; each parameter used once per
-micro-batch (two uses interleave their chains per micro-batch: fp32_grad_accumulation refuses
-tied parameters; a module called twice in one forward it cannot see); the same gradient per token
-(a loss summed over tokens with weights set for the whole batch, not a per-micro-batch mean).
+and besides: the micro-batches in the one batch's token order; each module used once per
+micro-batch (a module called twice in one forward adds two pieces per micro-batch to one chain, in
+an order one batch does not reproduce; nothing here can see it); the same gradient per token (a loss
+summed over tokens with weights set for the whole batch, not a per-micro-batch mean).
+
+Tied parameters, one fp32 chain per use. A parameter held by modules of different kinds (the tied
+embedding and LM head of Qwen3 0.6B-4B and Llama-3.2 1B/3B: an nn.Embedding and an nn.Linear) is used
+once per micro-batch by each. fp32_grad_accumulation gives it one fp32 chain per kind of module
+(``param.main_grad_chains``, keyed "nn.Embedding", "nn.Linear", in the modules' registration order),
+each continued only by that kind's ops (embedding; linear or linear_logprob), so each chain is its
+use's one-batch chain under the rules above, and ``main_grad`` is rewritten after every use's
+backward as the chains' sum in that fixed order. Hence N micro-batches == one batch bit for bit, and
+``main_grad`` is the untied model's two main_grads added, whichever use's backward runs first (the
+sum is taken from the chains, not added into); a use that does not run in a micro-batch leaves its
+chain as it was. Cost: one fp32 copy of the parameter per use besides ``main_grad``, and a sum over
+it per use per backward. Two modules of one kind holding a parameter are refused (their uses would
+share a chain).
 
 Ordinary accumulation into ``.grad`` in the parameter's dtype rounds each micro-batch's sum and adds
 the rounded sums: not the one-batch result (tests/test_main_grad.py shows the difference).
 
-The functions below have the signatures of rl_engine_ext's ops and are what a model's modules call.
-With no ``main_grad`` on the parameters they are the plain ops (a getattr more: ~0.1 us); with it,
-an autograd Function whose backward computes the input gradients with the same backward ops as the
-plain op's autograd (the same bits) and adds the parameters' gradients into their ``main_grad``.
-A parameter without ``main_grad`` next to one with it (a bias, say) gets the plain op's ``.grad``.
+The functions below have the signatures of rl_engine_ext's ops and are what a model's modules call;
+``call(op, *args)`` does the same for every op whose autograd declares its parameters
+(``ParamGrads``, rl_engine_ext/ops/_spec.py). With no ``main_grad`` on the parameters they are the
+plain ops (a list read more: ~0.1 us); with it, one generic autograd Function per op built from the
+op's own autograd formula (``OpDef.autograd``: its setup_context, and its backward given the fp32
+accumulators), so the input gradients are the plain op's bits and the parameters' sums go to their
+chains. A parameter without ``main_grad`` next to one with it (a bias, say) gets the plain op's
+``.grad``.
 
-``fp32_grad_accumulation(model)`` gives ``main_grad`` to the weights and biases of the model's
-nn.Linear, nn.Embedding and RMSNorm-like modules: exactly the parameters that these functions take,
-so that no ``main_grad`` waits for a gradient that goes to ``.grad`` instead. The model's forward must
-call these functions for those modules (a patched model does); a module that calls another op leaves
-its gradient in ``.grad`` and its ``main_grad`` at zero.
+``fp32_grad_accumulation(model)`` gives ``main_grad`` to the parameters of the modules whose kinds the
+ops declare (``ParamModule``: nn.Linear's weight and bias, nn.Embedding's and RMSNorm-like modules'
+weight): exactly the parameters that these functions take, so that no ``main_grad`` waits for a
+gradient that goes to ``.grad`` instead. The model's forward must call these functions for those
+modules (a patched model does); a module that calls another op leaves its gradient in ``.grad`` and
+its ``main_grad`` at zero, and a parameter given to an op of another kind than its modules' raises.
 
-The ops return the updated sum as a new fp32 tensor, which the backward copies into ``main_grad``:
-one transient fp32 copy of the parameter per backward call. torch.compile (fullgraph) traces both
+The ops return the updated sum as a new fp32 tensor, which the backward copies into its chain: one
+transient fp32 copy of the parameter per backward call. torch.compile (fullgraph) traces both
 paths; ``main_grad`` is guarded, so a model compiled before fp32_grad_accumulation recompiles.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .ops._spec import OPS
-from .ops.linear_logprob import linear_logprob as _plain_linear_logprob
+from .ops import op_defs
+from .ops._spec import OPS, OpDef, ParamModule
 from .ops.logprob import IGNORE_INDEX
 
 MAIN_GRAD = "main_grad"
+# {module kind: fp32 chain}: one entry (main_grad itself) for a parameter of one module, one per
+# kind of module (each its own buffer) for a tied parameter, in the modules' registration order.
+MAIN_GRAD_CHAINS = "main_grad_chains"
 
-# Each parameter's view starts at a multiple of this many fp32 elements (512 bytes, the alignment of
-# a tensor of its own), so a kernel reads an accumulator from the shared buffer as from a fresh one.
+# Each view starts at a multiple of this many fp32 elements (512 bytes, the alignment of a tensor of
+# its own), so a kernel reads an accumulator from the shared buffer as from a fresh one.
 _VIEW_ALIGNMENT = 128
 
 
@@ -61,200 +82,133 @@ _VIEW_ALIGNMENT = 128
 _ACCUMULATING = [0]
 
 
-def _main_grad(param: torch.Tensor | None) -> torch.Tensor | None:
-    main_grad = None if param is None or not _ACCUMULATING[0] else getattr(param, MAIN_GRAD, None)
-    if main_grad is not None and torch.is_autocast_enabled(param.device.type):
+class _Chain(NamedTuple):
+    """Where one parameter's fp32 sum goes: ``chain`` (continued by the backward op, then
+    overwritten with its result) and, for a tied parameter, ``main_grad`` rewritten as the sum of
+    ``uses`` (every use's chain, in the fixed order); ``uses`` is empty otherwise."""
+
+    chain: torch.Tensor
+    main_grad: torch.Tensor
+    uses: tuple[torch.Tensor, ...]
+
+    def store(self, fp32_sum: torch.Tensor) -> None:
+        self.chain.copy_(fp32_sum)
+        if self.uses:
+            torch.add(self.uses[0], self.uses[1], out=self.main_grad)
+            for use in self.uses[2:]:
+                self.main_grad.add_(use)
+
+
+def _chain(param: torch.Tensor | None, module: str, op: str) -> _Chain | None:
+    """The chain that schema op ``op`` continues for ``param`` (a parameter of a ``module``: its
+    kind's name), or None without main_grad."""
+    main_grad = None if param is None else getattr(param, MAIN_GRAD, None)
+    if main_grad is None:
+        return None
+    if torch.is_autocast_enabled(param.device.type):
         # The backward kernels take the forward's operands in one dtype; autocast casts them apart.
         raise ValueError("rl_engine_ext: fp32_grad_accumulation does not run under torch.autocast; keep the "
                          "parameters in bf16/fp16 (their fp32 sums are in main_grad) and run without autocast")
-    return main_grad
+    chains = getattr(param, MAIN_GRAD_CHAINS, None)
+    if chains is None:  # attached by hand: main_grad is the one chain
+        return _Chain(main_grad, main_grad, ())
+    chain = chains.get(module)
+    if chain is None:
+        raise ValueError(
+            f"rl_engine_ext.main_grad: {op} takes this parameter as an {module} module's, but fp32_grad_accumulation "
+            f"found it held by {' and '.join(chains)} modules only, so this use has no fp32 chain of its own and would "
+            f"add into theirs; give the model an {module} module that holds the parameter (a tied LM head: an "
+            "nn.Linear whose weight is the embedding's) before fp32_grad_accumulation")
+    return _Chain(chain, main_grad, tuple(chains.values()) if len(chains) > 1 else ())
 
 
-def _param_grad(needed: bool, main_grad: torch.Tensor | None, fp32_sum: torch.Tensor | None, dtype: torch.dtype):
-    """A parameter's gradient for autograd from the op's fp32 sum (which started from ``main_grad``
-    when there is one): None after storing it in ``main_grad``, else rounded to the parameter's
-    dtype as the plain op's autograd does."""
-    if not needed:
-        return None
-    if main_grad is None:
-        return fp32_sum.to(dtype)
-    main_grad.copy_(fp32_sum)
-    return None
+def _function(op: OpDef) -> type[torch.autograd.Function]:
+    """Schema op ``op`` with its parameters' gradients into their chains: the op's forward and
+    setup_context, and its backward formula given the chains as accumulators. Applied to the op's
+    inputs followed by a tuple of one _Chain (or None) per parameter."""
+    # Plain values in the closures: torch.compile traces these functions and wraps what they read.
+    name, setup_context, formula = op.name, op.autograd.setup_context, op.autograd.backward
+    positions = op.autograd.param_grads.inputs
+
+    class MainGradFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            return getattr(OPS, name)(*args[:-1])
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            setup_context(ctx, inputs[:-1], output)
+            # Not saved tensors: the backward writes them, which would trip autograd's version check
+            # of a second use's saved copy.
+            ctx.chains = inputs[-1]
+            ctx.param_dtypes = tuple(None if inputs[i] is None else inputs[i].dtype for i in positions)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            accums = tuple(None if chain is None or not ctx.needs_input_grad[i] else chain.chain
+                           for i, chain in zip(positions, ctx.chains))
+            input_grads = list(formula(ctx, *grads, accums=accums))
+            for i, accum, chain, dtype in zip(positions, accums, ctx.chains, ctx.param_dtypes):
+                if input_grads[i] is None:
+                    continue
+                if accum is None:
+                    input_grads[i] = input_grads[i].to(dtype)  # no main_grad: the plain op's .grad
+                else:
+                    chain.store(input_grads[i])
+                    input_grads[i] = None
+            return (*input_grads, None)
+
+    MainGradFunction.__name__ = MainGradFunction.__qualname__ = f"{name}_main_grad"
+    return MainGradFunction
 
 
-# ---------------------------------------------------------------------------------------------
-# linear
-# ---------------------------------------------------------------------------------------------
+# The ops that declare their parameters: their Functions, their parameters' module kind and positions.
+_PARAM_OPS: dict[str, OpDef] = {name: op for name, op in op_defs().items()
+                          if op.autograd is not None and op.autograd.param_grads is not None}
+_FUNCTIONS = {name: _function(op) for name, op in _PARAM_OPS.items()}
+_PARAMS = {name: (op.autograd.param_grads.module.name, op.autograd.param_grads.inputs)
+           for name, op in _PARAM_OPS.items()}
 
 
-class _LinearMainGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, weight_main_grad, bias_main_grad):
-        ctx.save_for_backward(x, weight)
-        # Not saved tensors: the backward writes them, which would trip autograd's version check
-        # of a second use's saved copy.
-        ctx.main_grads = (weight_main_grad, bias_main_grad)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return OPS.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        weight_main_grad, bias_main_grad = ctx.main_grads
-        grad = grad.contiguous()
-        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_x = OPS.linear_grad_input(grad, weight) if need_x else None
-        grad_weight = _param_grad(need_weight, weight_main_grad,
-                                  OPS.linear_grad_weight(grad, x, weight_main_grad) if need_weight else None,
-                                  weight.dtype)
-        grad_bias = _param_grad(need_bias, bias_main_grad,
-                                OPS.linear_grad_bias(grad, bias_main_grad) if need_bias else None, ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None
+def call(op: str, *args):
+    """``torch.ops.rl_align.<op>(*args)`` (every argument of the schema, in order) for an op whose
+    autograd declares ParamGrads; its parameters' gradients go into their ``main_grad`` where they
+    have one."""
+    if not _ACCUMULATING[0]:
+        return getattr(OPS, op)(*args)
+    module, positions = _PARAMS[op]
+    chains = tuple(_chain(args[i], module, op) for i in positions)
+    if all(chain is None for chain in chains):
+        return getattr(OPS, op)(*args)
+    return _FUNCTIONS[op].apply(*args, chains)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """rl_engine_ext.linear; weight and bias gradients into their ``main_grad`` where they have one."""
-    weight_main_grad, bias_main_grad = _main_grad(weight), _main_grad(bias)
-    if weight_main_grad is None and bias_main_grad is None:
-        return OPS.linear(x, weight, bias)
-    return _LinearMainGrad.apply(x, weight, bias, weight_main_grad, bias_main_grad)
-
-
-# ---------------------------------------------------------------------------------------------
-# rms_norm, add_rms_norm
-# ---------------------------------------------------------------------------------------------
-
-
-class _RmsNormMainGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, mode, main_grad):
-        ctx.save_for_backward(x, weight)
-        ctx.eps, ctx.mode, ctx.main_grad = eps, mode, main_grad
-        return OPS.rms_norm(x, weight, eps, mode)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        need_weight = ctx.needs_input_grad[1]
-        grad_x, dweight = OPS.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps,
-                                                ctx.main_grad if need_weight else None, ctx.mode)
-        return (grad_x if ctx.needs_input_grad[0] else None,
-                _param_grad(need_weight, ctx.main_grad, dweight, weight.dtype), None, None, None)
+    return call("linear", x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, mode: str = "fp32") -> torch.Tensor:
     """rl_engine_ext.rms_norm; the weight gradient into ``weight.main_grad`` where it has one."""
-    main_grad = _main_grad(weight)
-    if main_grad is None:
-        return OPS.rms_norm(x, weight, eps, mode)
-    return _RmsNormMainGrad.apply(x, weight, eps, mode, main_grad)
-
-
-class _AddRmsNormMainGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, mode, main_grad):
-        y, new_residual = OPS.add_rms_norm(x, residual, weight, eps, mode)
-        # As the plain op's autograd: an unused output's gradient stays None (a zero grad_residual
-        # would turn a -0 of the input gradient into +0).
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(new_residual, weight)
-        ctx.eps, ctx.mode, ctx.main_grad = eps, mode, main_grad
-        return y, new_residual
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_residual):
-        if grad_y is None:
-            return grad_residual, grad_residual, None, None, None, None
-        new_residual, weight = ctx.saved_tensors
-        need_weight = ctx.needs_input_grad[2]
-        grad_input, dweight = OPS.add_rms_norm_backward(grad_y.contiguous(), grad_residual, new_residual, weight,
-                                                        ctx.eps, ctx.main_grad if need_weight else None, ctx.mode)
-        return (grad_input if ctx.needs_input_grad[0] else None, grad_input if ctx.needs_input_grad[1] else None,
-                _param_grad(need_weight, ctx.main_grad, dweight, weight.dtype), None, None, None)
+    return call("rms_norm", x, weight, eps, mode)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                  mode: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """rl_engine_ext.add_rms_norm; the weight gradient into ``weight.main_grad`` where it has one."""
-    main_grad = _main_grad(weight)
-    if main_grad is None:
-        return OPS.add_rms_norm(x, residual, weight, eps, mode)
-    return _AddRmsNormMainGrad.apply(x, residual, weight, eps, mode, main_grad)
-
-
-# ---------------------------------------------------------------------------------------------
-# embedding
-# ---------------------------------------------------------------------------------------------
-
-
-class _EmbeddingMainGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ids, weight, padding_idx, main_grad):
-        ctx.save_for_backward(ids)
-        ctx.padding_idx, ctx.main_grad = padding_idx, main_grad
-        return OPS.embedding(ids, weight, padding_idx)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (ids,) = ctx.saved_tensors
-        if ctx.needs_input_grad[1]:
-            main_grad = ctx.main_grad
-            main_grad.copy_(OPS.embedding_grad_weight(grad, ids, main_grad.shape[0], ctx.padding_idx, main_grad))
-        return None, None, None, None
+    return call("add_rms_norm", x, residual, weight, eps, mode)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
     """rl_engine_ext.embedding; the weight gradient into ``weight.main_grad`` where it has one."""
-    main_grad = _main_grad(weight)
-    if main_grad is None:
-        return OPS.embedding(ids, weight, padding_idx)
-    return _EmbeddingMainGrad.apply(ids, weight, padding_idx, main_grad)
-
-
-# ---------------------------------------------------------------------------------------------
-# linear_logprob
-# ---------------------------------------------------------------------------------------------
-
-
-class _LinearLogprobMainGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, temperature, ignore_index, weight_main_grad, bias_main_grad):
-        logprob, entropy, lse = OPS.linear_logprob(hidden, weight, targets, bias, temperature, ignore_index)
-        # As the plain op's autograd: an unused entropy adds no entropy term (None, not zeros).
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, targets, entropy, lse, bias)
-        ctx.temperature, ctx.ignore_index = temperature, ignore_index
-        ctx.main_grads = (weight_main_grad, bias_main_grad)
-        ctx.mark_non_differentiable(lse)
-        return logprob, entropy, lse
-
-    @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy, grad_lse):
-        nothing = (None,) * 8
-        if grad_logprob is None and grad_entropy is None:
-            return nothing
-        hidden, weight, targets, entropy, lse, bias = ctx.saved_tensors
-        weight_main_grad, bias_main_grad = ctx.main_grads
-        need_hidden, need_weight, _, need_bias = ctx.needs_input_grad[:4]
-        grad_hidden, weight_sum, bias_sum = OPS.linear_logprob_backward(
-            torch.zeros_like(entropy) if grad_logprob is None else grad_logprob, grad_entropy, hidden, weight, bias,
-            targets, entropy, lse, ctx.temperature, ctx.ignore_index,
-            weight_main_grad if need_weight else None, bias_main_grad if need_bias else None, True)
-        return (grad_hidden if need_hidden else None,
-                _param_grad(need_weight, weight_main_grad, weight_sum, weight.dtype),
-                None, _param_grad(need_bias, bias_main_grad, bias_sum, None if bias is None else bias.dtype),
-                None, None, None, None)
+    return call("embedding", ids, weight, padding_idx)
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    return_entropy: bool = False, bias: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX):
     """rl_engine_ext.linear_logprob; weight and bias gradients into their ``main_grad`` where they
     have one."""
-    weight_main_grad, bias_main_grad = _main_grad(weight), _main_grad(bias)
-    if weight_main_grad is None and bias_main_grad is None:
-        return _plain_linear_logprob(hidden, weight, targets, temperature, return_entropy, bias, ignore_index)
-    logprob, entropy, _ = _LinearLogprobMainGrad.apply(hidden, weight, targets, bias, float(temperature),
-                                                       int(ignore_index), weight_main_grad, bias_main_grad)
+    logprob, entropy, _ = call("linear_logprob", hidden, weight, targets, bias, float(temperature), int(ignore_index))
     return (logprob, entropy) if return_entropy else logprob
 
 
@@ -263,34 +217,63 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_rms_norm_like(module: nn.Module) -> bool:
-    """A 1-D weight and an epsilon (HF's ``variance_epsilon``, or ``eps``). torch.nn's own modules
-    with those (LayerNorm, GroupNorm, the batch and instance norms) count only if nn.RMSNorm."""
-    weight = getattr(module, "weight", None)
-    if not (isinstance(weight, nn.Parameter) and weight.dim() == 1):
-        return False
-    if not (hasattr(module, "variance_epsilon") or hasattr(module, "eps")):
-        return False
-    return isinstance(module, nn.RMSNorm) or not type(module).__module__.startswith("torch.nn.")
+def _param_modules() -> tuple[ParamModule, ...]:
+    """The kinds of module whose parameters the ops take, in registry order."""
+    found: dict[str, ParamModule] = {}
+    for op in _PARAM_OPS.values():
+        found.setdefault(op.autograd.param_grads.module.name, op.autograd.param_grads.module)
+    return tuple(found.values())
 
 
-def _accumulated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of the weights and biases of the model's nn.Linear, nn.Embedding and
-    RMSNorm-like modules that require grad, each once."""
-    found: dict[int, tuple[str, nn.Parameter]] = {}
-    for module_name, module in model.named_modules():
-        if not (isinstance(module, (nn.Linear, nn.Embedding)) or _is_rms_norm_like(module)):
+class _Holder(NamedTuple):
+    name: str  # the parameter's qualified name under this module
+    module: ParamModule
+
+
+def _accumulated_parameters(model: nn.Module) -> list[tuple[nn.Parameter, list[_Holder]]]:
+    """The parameters (that require grad) of the model's modules of the ops' kinds, each once with
+    its holders in registration order (a module registered twice holds it twice)."""
+    kinds = _param_modules()
+    found: dict[int, tuple[nn.Parameter, list[_Holder]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        kind = next((kind for kind in kinds if kind.holds(module)), None)
+        if kind is None:
             continue
-        for param_name in ("weight", "bias"):
+        for param_name in kind.params:
             param = getattr(module, param_name, None)
             if isinstance(param, nn.Parameter) and param.requires_grad and param.is_floating_point():
-                found.setdefault(id(param), (f"{module_name}.{param_name}".lstrip("."), param))
+                holder = _Holder(f"{module_name}.{param_name}".lstrip("."), kind)
+                found.setdefault(id(param), (param, []))[1].append(holder)
     return list(found.values())
 
 
+def _check_holders(param: nn.Parameter, holders: list[_Holder], names: list[str]) -> None:
+    """Raises unless every name of ``param`` is a holder's and its holders are of distinct kinds."""
+    name = holders[0].name
+    others = [n for n in names if n not in {h.name for h in holders}]
+    if others:
+        kinds = " / ".join(kind.name for kind in _param_modules())
+        raise ValueError(
+            f"fp32_grad_accumulation: parameter {name} is also {', '.join(others)}, not a parameter that {kinds} "
+            "modules hand to rl_engine_ext's ops, so that use has no fp32 chain and its gradient would not reach "
+            "main_grad; untie it, or train this model with ordinary .grad.")
+    kinds = [h.module.name for h in holders]
+    if len(set(kinds)) < len(kinds):
+        raise ValueError(
+            f"fp32_grad_accumulation: parameter {name} is held by two {max(kinds, key=kinds.count)} modules "
+            f"({', '.join(h.name for h in holders)}), so it is used twice per micro-batch by ops of one kind: the "
+            "two uses would add into one fp32 chain in an order (use 1 then use 2 of each micro-batch in turn) that "
+            "differs from one batch's, so the sum over micro-batches would not be bit for bit the one-batch sum (tied "
+            "parameters get one chain per kind of module). Untie the parameters, or train this model with ordinary "
+            ".grad.")
+    if hasattr(param, MAIN_GRAD):
+        raise ValueError(f"fp32_grad_accumulation: parameter {name} already has a main_grad")
+
+
 class Fp32GradAccumulation:
-    """The ``main_grad`` buffers that fp32_grad_accumulation gave to ``parameters``: views of one
-    zeroed fp32 buffer per device (``buffers``), as Megatron's contiguous gradient buffer."""
+    """The ``main_grad`` buffers that fp32_grad_accumulation gave to ``parameters`` (and the tied
+    ones' chains): views of one zeroed fp32 buffer per device (``buffers``), as Megatron's
+    contiguous gradient buffer."""
 
     def __init__(self, parameters: list[nn.Parameter], buffers: dict[torch.device, torch.Tensor]):
         self.parameters = parameters
@@ -299,7 +282,8 @@ class Fp32GradAccumulation:
         _ACCUMULATING[0] += 1
 
     def zero_(self) -> "Fp32GradAccumulation":
-        """Zeroes every ``main_grad`` (after the optimizer step, before the next step's micro-batches)."""
+        """Zeroes every ``main_grad`` and chain (after the optimizer step, before the next step's
+        micro-batches)."""
         for buffer in self.buffers.values():
             buffer.zero_()
         return self
@@ -310,42 +294,41 @@ class Fp32GradAccumulation:
             return
         for param in self.parameters:
             delattr(param, MAIN_GRAD)
+            delattr(param, MAIN_GRAD_CHAINS)
         self.parameters, self.buffers, self._live = [], {}, False
         _ACCUMULATING[0] -= 1
 
 
 def fp32_grad_accumulation(model: nn.Module) -> Fp32GradAccumulation:
-    """Gives a zeroed fp32 ``main_grad`` to the weights and biases (that require grad) of the model's
-    nn.Linear, nn.Embedding and RMSNorm-like modules (a 1-D ``weight`` and a ``variance_epsilon`` or
-    ``eps``), which this module's functions then accumulate into (see the module doc). Other
-    parameters keep ``.grad``. Returns the handle: ``.zero_()`` per optimizer step, ``.revert()``.
+    """Gives a zeroed fp32 ``main_grad`` to the parameters (that require grad) of the model's
+    modules of the kinds the ops take parameters from (nn.Linear's weight and bias, nn.Embedding's
+    weight, an RMSNorm-like module's weight: a 1-D ``weight`` and a ``variance_epsilon`` or ``eps``),
+    which this module's functions then accumulate into (see the module doc), and to a parameter
+    that modules of several kinds hold (a tied embedding and LM head) one chain per kind besides,
+    ``main_grad`` being their sum. Other parameters keep ``.grad``. Returns the handle:
+    ``.zero_()`` per optimizer step, ``.revert()``.
 
-    Raises ValueError for a parameter that the model holds under two names (tied embedding and LM
-    head, or one module registered twice): it is used twice per micro-batch, and two uses add into
-    one fp32 chain in the order use 1, use 2 of micro-batch 1, then use 1, use 2 of micro-batch 2...,
-    which one batch (use 1 of all tokens, then use 2 of all tokens) does not reproduce; and for one
-    that already has a ``main_grad``.
+    Raises ValueError for a parameter held by two modules of one kind (or one module registered
+    twice) or also held under a name that is not such a module's parameter: its uses would share an
+    fp32 chain in an order one batch does not reproduce; and for one that already has a ``main_grad``.
     """
     names: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)
     accumulated = _accumulated_parameters(model)
-    for name, param in accumulated:
-        if len(names[id(param)]) > 1:
-            raise ValueError(
-                f"fp32_grad_accumulation: parameter {name} is tied ({', '.join(names[id(param)])} are one tensor), "
-                "so it is used twice per micro-batch; the two uses add into one fp32 main_grad in an order (use 1 "
-                "then use 2 of each micro-batch in turn) that differs from one batch's, so the sum over micro-batches "
-                "would not be bit for bit the one-batch sum. Untie the parameters, or train this model with ordinary "
-                ".grad.")
-        if hasattr(param, MAIN_GRAD):
-            raise ValueError(f"fp32_grad_accumulation: parameter {name} already has a main_grad")
+    for param, holders in accumulated:
+        _check_holders(param, holders, names[id(param)])
+    views: list[tuple[nn.Parameter, int]] = []  # (param, offset): its main_grad, then a tied one's chains
     sizes: dict[torch.device, int] = defaultdict(int)
-    offsets = []
-    for _, param in accumulated:
-        offsets.append(sizes[param.device])
-        sizes[param.device] += -(-param.numel() // _VIEW_ALIGNMENT) * _VIEW_ALIGNMENT
+    for param, holders in accumulated:
+        for _ in range(1 if len(holders) == 1 else 1 + len(holders)):
+            views.append((param, sizes[param.device]))
+            sizes[param.device] += -(-param.numel() // _VIEW_ALIGNMENT) * _VIEW_ALIGNMENT
     buffers = {device: torch.zeros(size, dtype=torch.float32, device=device) for device, size in sizes.items()}
-    for (_, param), offset in zip(accumulated, offsets):
-        setattr(param, MAIN_GRAD, buffers[param.device].narrow(0, offset, param.numel()).view(param.shape))
-    return Fp32GradAccumulation([param for _, param in accumulated], buffers)
+    view = iter(buffers[param.device].narrow(0, offset, param.numel()).view(param.shape) for param, offset in views)
+    for param, holders in accumulated:
+        main_grad = next(view)
+        setattr(param, MAIN_GRAD, main_grad)
+        chains = [main_grad] if len(holders) == 1 else [next(view) for _ in holders]
+        setattr(param, MAIN_GRAD_CHAINS, {h.module.name: chain for h, chain in zip(holders, chains)})
+    return Fp32GradAccumulation([param for param, _ in accumulated], buffers)

@@ -7,7 +7,8 @@ called on explicitly cast arguments (the casts each case states: the policy tabl
 second time), and so are the gradients, which reach every leaf in its own dtype;
 torch.compile(fullgraph=True) gives eager's bits; with autocast off nothing is cast. The rules of
 all ops are registered in one place (rl_engine_ext/autocast.py); test_registry.py checks that every
-op has autocast kernels exactly where its OpDef has a rule.
+op has autocast kernels exactly where its OpDef has a rule. The cases come from the registry (each
+family's ``OpSpec.autocast_cases``), so a new op brings its own; this file holds only the casts.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import rl_engine_ext as rl
-from rl_engine_ext.ops import op_defs
-from rl_engine_ext.ops._spec import Autocast
+from rl_engine_ext.ops import SPECS, op_defs
+from rl_engine_ext.ops._spec import Autocast, AutocastCase
 
 from conftest import randn
 
@@ -42,7 +42,6 @@ AUTOCAST_RUNS = [
 # parameters (a dtype mismatch without autocast).
 ACTIVATION_DTYPES = [torch.float32, torch.bfloat16]
 TEMPERATURE = 0.9
-EPS = 1e-6
 
 
 def _floats_to(args: tuple, dtype: torch.dtype) -> tuple:
@@ -56,44 +55,6 @@ def _widest(args: tuple) -> torch.dtype:
 
 def _as_tuple(out: Any) -> tuple:
     return out if isinstance(out, tuple) else (out,)
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What logprob replaces: log_softmax of the fp32 logits, gathered at the targets, and the entropy."""
-    logp = torch.log_softmax(logits.float() / TEMPERATURE, -1)
-    return logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
-
-
-def _hf_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
-    """Hugging Face's apply_rotary_pos_emb (cos and sin in fp32, cast to the activations' dtype)."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
-
-    def rotate(x):
-        half = x.shape[-1] // 2
-        x_rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-        return x * emb.cos().to(x.dtype) + x_rot * emb.sin().to(x.dtype)
-
-    return rotate(q), rotate(k)
-
-
-def _sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One op under autocast. ``make(device, activation_dtype)`` builds its arguments (float leaves
-    require grad where the op is differentiable); ``ours`` and ``counterpart`` (the torch
-    expression the op replaces) take them; ``explicit(args, device, autocast_dtype)`` casts them
-    as the op's rule says autocast will."""
-
-    op: str
-    make: Callable[[str, torch.dtype], tuple]
-    ours: Callable[..., Any]
-    counterpart: Callable[..., Any]
-    explicit: Callable[[tuple, str, torch.dtype], tuple]
-    differentiable: bool = True
 
 
 def _lower_precision(args, device, dtype):
@@ -115,113 +76,33 @@ def _no_cast(args, device, dtype):
     return args
 
 
-def _leaf(t: torch.Tensor, grad: bool = True) -> torch.Tensor:
-    return t.requires_grad_(grad)
+# The casts each rule makes, written out a second time (rl_engine_ext/autocast.py registers them):
+# ``explicit(args, device, autocast_dtype)`` casts a case's arguments as its op's rule says autocast will.
+EXPLICIT_CASTS = {Autocast.LOWER_PRECISION: _lower_precision, Autocast.NORM: _norm, Autocast.PROMOTE: _promote,
+                  None: _no_cast}
 
 
-def _targets(shape, vocab: int, device: str) -> torch.Tensor:
-    t = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(7))
-    t.view(-1)[::4] = -100  # ignored tokens
-    return t.to(device)
+@dataclass(frozen=True)
+class Case:
+    """One op under autocast: its registry case (``AutocastCase``: arguments, public function, torch
+    counterpart) with the casts of its registered rule, and whether it has a backward."""
+
+    op: str
+    make: Callable[[str, torch.dtype], tuple]
+    ours: Callable[..., Any]
+    counterpart: Callable[..., Any]
+    explicit: Callable[[tuple, str, torch.dtype], tuple]
+    differentiable: bool
 
 
-def _linear_args(device, act):
-    return (_leaf(randn(2, 5, 40, dtype=act, device=device, seed=1)),
-            _leaf(randn(24, 40, dtype=torch.float32, device=device, seed=2, scale=40**-0.5)),
-            _leaf(randn(24, dtype=torch.float32, device=device, seed=3)))
+def _case(c: AutocastCase) -> Case:
+    op = op_defs()[c.op]
+    return Case(c.op, c.make, c.ours, c.counterpart, EXPLICIT_CASTS[op.autocast], op.autograd is not None)
 
 
-def _linear_logprob_args(device, act):
-    return (_leaf(randn(2, 5, 32, dtype=act, device=device, seed=4)),
-            _leaf(randn(70, 32, dtype=torch.float32, device=device, seed=5, scale=2 * 32**-0.5)),
-            _targets((2, 5), 70, device),
-            _leaf(randn(70, dtype=torch.float32, device=device, seed=6)))
-
-
-def _attention_args(device, act):
-    # q from a projection in the activation dtype, k and v in fp32: autocast casts all three.
-    return (_leaf(randn(2, 4, 16, 64, dtype=act, device=device, seed=8)),
-            _leaf(randn(2, 2, 16, 64, dtype=torch.float32, device=device, seed=9)),
-            _leaf(randn(2, 2, 16, 64, dtype=torch.float32, device=device, seed=10)))
-
-
-def _varlen_args(device, act):
-    return (_leaf(randn(12, 4, 64, dtype=act, device=device, seed=11)),
-            _leaf(randn(12, 2, 64, dtype=torch.float32, device=device, seed=12)),
-            _leaf(randn(12, 2, 64, dtype=torch.float32, device=device, seed=13)),
-            torch.tensor([0, 5, 12], dtype=torch.int32, device=device))
-
-
-def _kvcache_args(device, act):
-    return (randn(2, 4, 1, 64, dtype=act, device=device, seed=14),
-            randn(2, 2, 16, 64, dtype=torch.float32, device=device, seed=15),
-            randn(2, 2, 16, 64, dtype=torch.float32, device=device, seed=16),
-            torch.tensor([5, 16], dtype=torch.int32, device=device))
-
-
-def _rms_norm_args(device, act):
-    return (_leaf(randn(3, 5, 64, dtype=act, device=device, seed=17)),
-            _leaf(randn(64, dtype=torch.float32, device=device, seed=18)))
-
-
-def _add_rms_norm_args(device, act):
-    # x from a projection in the activation dtype; the residual stream in fp32 (fp32 embedding).
-    return (_leaf(randn(3, 5, 64, dtype=act, device=device, seed=19)),
-            _leaf(randn(3, 5, 64, dtype=torch.float32, device=device, seed=20)),
-            _leaf(randn(64, dtype=torch.float32, device=device, seed=21)))
-
-
-def _logprob_args(device, act):
-    return _leaf(randn(2, 5, 70, dtype=act, device=device, seed=22, scale=3.0)), _targets((2, 5), 70, device)
-
-
-def _rope_args(device, act):
-    return (_leaf(randn(2, 4, 6, 64, dtype=act, device=device, seed=23)),
-            _leaf(randn(2, 2, 6, 64, dtype=act, device=device, seed=24)),
-            torch.arange(12, device=device).view(2, 6) + 3,
-            rl.rope_inv_freq(64, device=device))
-
-
-def _silu_mul_args(device, act):
-    return (_leaf(randn(3, 5, 24, dtype=act, device=device, seed=25)),
-            _leaf(randn(3, 5, 24, dtype=torch.float32, device=device, seed=26)))
-
-
-def _embedding_args(device, act):
-    ids = torch.tensor([[1, 7, 7, 0, 49], [3, 3, 2, 8, 1]], device=device)
-    return ids, _leaf(randn(50, 32, dtype=act, device=device, seed=27))
-
-
-CASES = [
-    Case("linear", _linear_args, rl.linear, F.linear, _lower_precision),
-    Case("linear_logprob", _linear_logprob_args,
-         lambda h, w, t, b: rl.linear_logprob(h, w, t, TEMPERATURE, True, b),
-         lambda h, w, t, b: _token_logprobs(F.linear(h, w, b), t),
-         _lower_precision),
-    Case("attention", _attention_args, rl.attention, _sdpa, _lower_precision),
-    Case("attention_varlen", _varlen_args, rl.attention_varlen,
-         lambda q, k, v, cu: _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1),
-         _lower_precision),
-    Case("attention_kvcache", _kvcache_args, lambda q, k, v, lens: rl.attention_kvcache(q, k, v, lens),
-         lambda q, k, v, lens: _sdpa(q, k, v), _lower_precision, differentiable=False),
-    Case("rms_norm", _rms_norm_args, lambda x, w: rl.rms_norm(x, w, EPS),
-         lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS), _norm),
-    Case("add_rms_norm", _add_rms_norm_args, lambda x, r, w: rl.add_rms_norm(x, r, w, EPS),
-         lambda x, r, w: (F.rms_norm(x + r, (x.shape[-1],), w, EPS), x + r), _norm),
-    Case("logprob", _logprob_args, lambda z, t: rl.logprob(z, t, TEMPERATURE, return_entropy=True),
-         _token_logprobs, _no_cast),
-    Case("rope", _rope_args, rl.rope, _hf_rope, _no_cast),
-    Case("silu_and_mul", lambda device, act: (_leaf(randn(3, 5, 48, dtype=act, device=device, seed=28)),),
-         rl.silu_and_mul, lambda gu: F.silu(gu[..., :24]) * gu[..., 24:], _no_cast),
-    Case("silu_mul", _silu_mul_args, rl.silu_and_mul, lambda gate, up: F.silu(gate) * up, _promote),
-    Case("embedding", _embedding_args, rl.embedding, F.embedding, _no_cast),
-]
+# Every family's cases (OpSpec.autocast_cases): a new op brings its own.
+CASES = [_case(c) for s in SPECS for c in s.autocast_cases]
 CASE_IDS = [c.op for c in CASES]
-
-# The rule each case's ``explicit`` spells out, checked against the op's registered rule so the two
-# tables cannot drift apart.
-EXPLICIT_RULES = {_lower_precision: Autocast.LOWER_PRECISION, _norm: Autocast.NORM, _promote: Autocast.PROMOTE,
-                  _no_cast: None}
 
 
 @pytest.fixture(params=AUTOCAST_RUNS)
@@ -248,10 +129,10 @@ def _assert_equal(got: tuple, want: tuple, what: str) -> None:
 
 
 def test_cases_state_the_registered_rules():
-    """Every op with a rule has a case here, and each case's explicit casts are its op's rule."""
+    """Every op with a rule has a case (one each), and every rule has its explicit casts here."""
     assert {name for name, op in op_defs().items() if op.autocast is not None} <= set(CASE_IDS)
-    for case in CASES:
-        assert op_defs()[case.op].autocast is EXPLICIT_RULES[case.explicit], case.op
+    assert len(CASE_IDS) == len(set(CASE_IDS))
+    assert set(EXPLICIT_CASTS) == set(Autocast) | {None}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -288,7 +169,7 @@ def test_linear_logprob_is_logprob_of_linear_under_autocast(run):
     """The fused op's promise (bit for bit the unfused pair) holds under autocast: its GEMM casts like
     linear, and logprob takes the lower-precision logits uncast."""
     device, dtype = run
-    h, w, t, b = _linear_logprob_args(device, torch.bfloat16)
+    h, w, t, b = next(c for c in CASES if c.op == "linear_logprob").make(device, torch.bfloat16)
     with _autocast(device, dtype):
         fused = rl.linear_logprob(h, w, t, TEMPERATURE, True, b)
         logits = rl.linear(h, w, b)

@@ -3,10 +3,13 @@ through the ops' dweight_accum. Per function: without main_grad it is the plain 
 input gradients are the plain op's autograd bits, ``.grad`` stays None, and micro-batches of
 multiples of the op's tile leave one batch's main_grad bits. A small model trained over three
 micro-batches equals one batch bit for bit, where plain ``.grad`` accumulation does not. The
-allocation over a model: which parameters, tied parameters, ``.zero_()``, ``.revert()``."""
+allocation over a model: which parameters, ``.zero_()``, ``.revert()``. Tied parameters (one fp32
+chain per kind of module, ``main_grad`` their sum): the small model and tied tiny Qwen3 / Llama
+chain bit for bit and equal the untied model's summed gradients; what is refused."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,7 +18,7 @@ import torch
 from torch import nn
 
 import rl_engine_ext
-from rl_engine_ext import main_grad
+from rl_engine_ext import contract, main_grad
 
 from conftest import randn
 
@@ -342,10 +345,13 @@ def test_negative_control_grad_accumulation_differs_from_one_batch(device, dtype
     assert differ == [name for name, _ in model.named_parameters()], differ
 
 
-def test_model_under_torch_compile(device):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_model_under_torch_compile(device, tied):
     """The compiled model (compiled before the buffers exist: the attribute is guarded) leaves
-    eager's main_grad bits, one batch and micro-batches alike."""
+    eager's main_grad bits, one batch and micro-batches alike; tied too (its chains and sum)."""
     model = _tiny_lm(device, torch.bfloat16)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
     batch = _batch(device)
     compiled = torch.compile(model, fullgraph=True)
     _train(compiled, *batch, (sum(MICRO_BATCHES),))
@@ -399,15 +405,6 @@ def test_main_grad_on_linear_embedding_and_rms_norm_like_parameters_only(device)
         assert p.main_grad.is_contiguous() and not p.main_grad.any(), name
 
 
-def test_tied_parameters_are_refused(device):
-    model = _tiny_lm(device, torch.bfloat16)
-    model.lm_head.weight = model.embed_tokens.weight
-    with pytest.raises(ValueError, match=r"embed_tokens.weight is tied \(embed_tokens.weight, lm_head.weight are one "
-                                         r"tensor\), so it is used twice per micro-batch"):
-        rl_engine_ext.fp32_grad_accumulation(model)
-    assert not any(hasattr(p, "main_grad") for p in model.parameters())
-
-
 def test_zero_clears_the_buffers_in_place(device):
     model = _tiny_lm(device, torch.bfloat16)
     accumulation = rl_engine_ext.fp32_grad_accumulation(model)
@@ -437,3 +434,256 @@ def test_autocast_is_refused(device):
     weight.main_grad = torch.zeros_like(weight)
     with torch.autocast(device, dtype=torch.bfloat16), pytest.raises(ValueError, match="does not run under torch.autocast"):
         rl_engine_ext.main_grad.linear(torch.randn(4, 16, device=device), weight)
+
+
+# ------------------------------------------------------------------------------------------
+# Tied parameters: one fp32 chain per kind of module, main_grad their sum in registration order
+# ------------------------------------------------------------------------------------------
+
+
+def _tie(model: TinyLM) -> TinyLM:
+    """The LM head's weight becomes the embedding's ([VOCAB, HIDDEN] both), as tie_word_embeddings."""
+    model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _untied_copy(model: nn.Module, embedding: str, head: str) -> nn.Module:
+    """A copy whose LM head has a weight of its own with the tied weight's values."""
+    untied = copy.deepcopy(model)
+    untied.get_submodule(head).weight = nn.Parameter(untied.get_submodule(embedding).weight.detach().clone())
+    return untied
+
+
+@pytest.mark.parametrize("dtype", STACK_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_tied_model_micro_batches_equal_one_batch_and_the_untied_sum(device, dtype):
+    """The tied weight gets an nn.Embedding chain and an nn.Linear chain (registration order):
+    micro-batches leave the one batch's bits in every main_grad and chain, each chain is the
+    untied model's main_grad of its module and the tied main_grad is their sum."""
+    model = _tie(_tiny_lm(device, dtype))
+    untied = _untied_copy(model, "embed_tokens", "lm_head")
+    batch = _batch(device)
+    accumulation = rl_engine_ext.fp32_grad_accumulation(model)
+    tied = model.embed_tokens.weight
+    assert list(tied.main_grad_chains) == ["nn.Embedding", "nn.Linear"]
+    _train(model, *batch, (sum(MICRO_BATCHES),))
+    one_batch = {name: p.main_grad.clone() for name, p in model.named_parameters()}
+    one_batch_chains = [chain.clone() for chain in tied.main_grad_chains.values()]
+    accumulation.zero_()
+    _train(model, *batch, MICRO_BATCHES)
+    for name, p in model.named_parameters():
+        assert p.grad is None, name
+        assert_same_bits(p.main_grad, one_batch[name], f"{name}.main_grad")
+    for chain, want in zip(tied.main_grad_chains.values(), one_batch_chains):
+        assert_same_bits(chain, want, "chain over micro-batches")
+    untied_accumulation = rl_engine_ext.fp32_grad_accumulation(untied)
+    _train(untied, *batch, MICRO_BATCHES)
+    embedding_chain, head_chain = tied.main_grad_chains.values()
+    assert_same_bits(embedding_chain, untied.embed_tokens.weight.main_grad, "nn.Embedding chain")
+    assert_same_bits(head_chain, untied.lm_head.weight.main_grad, "nn.Linear chain")
+    assert_same_bits(tied.main_grad, untied.embed_tokens.weight.main_grad + untied.lm_head.weight.main_grad,
+                     "tied main_grad")
+    accumulation.revert()
+    untied_accumulation.revert()
+
+
+def test_tied_sum_does_not_depend_on_the_backward_order_or_on_a_use_that_did_not_run(device):
+    """Each use's backward continues its own chain and rewrites main_grad as the chains' sum: the
+    same bits whichever use's backward runs first in each micro-batch (adding into main_grad in
+    backward order would not be), and a use that does not run leaves its chain as it was."""
+    vocab, width, dtype = 96, 64, torch.bfloat16
+    modules = nn.ModuleDict({"embed": nn.Embedding(vocab, width), "head": nn.Linear(width, vocab, bias=False)})
+    modules.head.weight = modules.embed.weight
+    weight = modules.to(device=device, dtype=dtype).embed.weight
+    with torch.no_grad():
+        weight.copy_(randn(vocab, width, dtype=dtype, device=device, seed=30, scale=0.3))
+    gen = torch.Generator().manual_seed(31)
+    ids = torch.randint(0, vocab, (3, TILE), generator=gen).to(device)
+    targets = torch.randint(0, vocab, (3, TILE), generator=gen).to(device)
+    hidden = randn(3, TILE, width, dtype=dtype, device=device, seed=32)
+    cotangents = _cotangents([hidden], seed=33)[0]
+    accumulation = rl_engine_ext.fp32_grad_accumulation(modules)
+
+    def embedding_use(k):
+        return lambda: main_grad.embedding(ids[k], weight).backward(cotangents[k])
+
+    def head_use(k):
+        return lambda: main_grad.linear_logprob(hidden[k], weight, targets[k]).sum().backward()
+
+    def run(uses):
+        accumulation.zero_()
+        for use in uses:
+            use()
+        return weight.main_grad.clone(), [chain.clone() for chain in weight.main_grad_chains.values()]
+
+    embedding_first = run([embedding_use(0), head_use(0), embedding_use(1), head_use(1), embedding_use(2)])
+    head_first = run([head_use(0), embedding_use(0), head_use(1), embedding_use(1), embedding_use(2)])
+    assert_same_bits(head_first[0], embedding_first[0], "main_grad, head's backward first")
+    for got, want in zip(head_first[1], embedding_first[1]):
+        assert_same_bits(got, want, "chain, head's backward first")
+    total, (embedding_chain, head_chain) = head_first
+    assert_same_bits(total, embedding_chain + head_chain, "main_grad")
+    assert_same_bits(head_chain, run([head_use(0), head_use(1)])[1][1], "the head's chain (micro-batch 2 without it)")
+    assert_same_bits(embedding_chain, run([embedding_use(k) for k in range(3)])[1][0], "the embedding's chain")
+    accumulation.revert()
+
+
+def test_tied_zero_and_revert(device):
+    model = _tie(_tiny_lm(device, torch.bfloat16))
+    accumulation = rl_engine_ext.fp32_grad_accumulation(model)
+    tied = model.embed_tokens.weight
+    buffers = [tied.main_grad, *tied.main_grad_chains.values()]
+    _train(model, *_batch(device), MICRO_BATCHES)
+    assert all(buffer.any() for buffer in buffers)
+    accumulation.zero_()
+    assert [tied.main_grad, *tied.main_grad_chains.values()] == buffers  # the same tensors, zeroed in place
+    assert not any(buffer.any() for buffer in buffers)
+    accumulation.revert()
+    assert not hasattr(tied, "main_grad") and not hasattr(tied, "main_grad_chains")
+    _train(model, *_batch(device), MICRO_BATCHES)
+    assert tied.grad is not None and tied.grad.dtype == torch.bfloat16
+
+
+def test_tied_weight_under_plain_autograd(device):
+    """Without main_grad a tied weight's .grad is autograd's sum of its two uses' gradients: the
+    untied model's two .grad added."""
+    model = _tie(_tiny_lm(device, torch.bfloat16))
+    untied = _untied_copy(model, "embed_tokens", "lm_head")
+    batch = _batch(device)
+    for m in (model, untied):
+        _train(m, *batch, (sum(MICRO_BATCHES),))
+    assert_same_bits(model.embed_tokens.weight.grad, untied.embed_tokens.weight.grad + untied.lm_head.weight.grad,
+                     "tied .grad")
+
+
+def test_parameter_of_two_modules_of_one_kind_is_refused(device):
+    """Two uses by ops of one kind would add into one chain in turn per micro-batch."""
+    shared = nn.Linear(8, 8)
+    other = nn.Linear(8, 8)
+    other.weight = shared.weight
+    for model, holders in ((nn.ModuleDict({"a": shared, "b": other}), "a.weight, b.weight"),
+                           (nn.ModuleDict({"a": shared, "again": shared}), "a.weight, again.weight")):
+        with pytest.raises(ValueError, match=rf"parameter a.weight is held by two nn.Linear modules \({holders}\), so "
+                                             "it is used twice per micro-batch by ops of one kind"):
+            rl_engine_ext.fp32_grad_accumulation(model)
+        assert not any(hasattr(p, "main_grad") for p in model.parameters())
+
+
+def test_parameter_also_held_by_another_module_is_refused(device):
+    model = nn.ModuleDict({"embed": nn.Embedding(10, 8), "other": Scale()})
+    model.other.scale = model.embed.weight
+    with pytest.raises(ValueError, match="parameter embed.weight is also other.scale, not a parameter that"):
+        rl_engine_ext.fp32_grad_accumulation(model)
+    assert not any(hasattr(p, "main_grad") for p in model.parameters())
+
+
+def test_use_by_an_op_of_another_kind_raises(device):
+    """A parameter handed to an op of another kind than its modules' (an LM head computed from the
+    embedding's weight without an nn.Linear holding it) has no chain: an error, not a shared chain."""
+    model = _tiny_lm(device, torch.bfloat16)
+    accumulation = rl_engine_ext.fp32_grad_accumulation(model)
+    hidden = randn(4, HIDDEN, dtype=torch.bfloat16, device=device, seed=40)
+    targets = torch.zeros(4, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="linear_logprob takes this parameter as an nn.Linear module's, but "
+                                         "fp32_grad_accumulation found it held by nn.Embedding modules only"):
+        main_grad.linear_logprob(hidden, model.embed_tokens.weight, targets)
+    accumulation.revert()
+
+
+# Tied tiny Hugging Face models (every small Qwen3 and Llama-3.2 ties its embedding and LM head).
+HF_DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, vocab_size=256)
+HF_TIED = ("model.embed_tokens", "lm_head")
+
+
+def _tied_hf_model(model_type: str, device: str, dtype: torch.dtype) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config_class, model_class = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                                 "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[model_type]
+    config = config_class(**HF_DIMS, max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0,
+                          eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_class(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model.to(dtype).train()
+
+
+def _hf_ids(model: nn.Module, device: str, rows: int, seq: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(41)
+    return torch.randint(3, model.config.vocab_size, (rows, seq), generator=gen).to(device)
+
+
+def _hf_backward(model: nn.Module, batches) -> None:
+    """One backward per batch of the summed log-probs of its tokens (rl.token_logprobs)."""
+    for ids in batches:
+        (-rl_engine_ext.token_logprobs(model, ids).sum()).backward()
+
+
+def _hf_main_grads(model: nn.Module, batches) -> dict[str, torch.Tensor]:
+    """Every parameter's main_grad after the batches, under an accumulation reverted after."""
+    accumulation = rl_engine_ext.fp32_grad_accumulation(model)
+    try:
+        _hf_backward(model, batches)
+        assert all(p.grad is None for p in model.parameters())
+        return {name: p.main_grad.clone() for name, p in model.named_parameters()}
+    finally:
+        accumulation.revert()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_tied_hf_model_micro_batches_equal_one_batch(device, model_type):
+    """A patched tied Qwen3 / Llama: micro-batches of grad_accumulation_tile_tokens(model) tokens
+    give the one batch's main_grad bits, the tied one the untied model's two main_grads added; with
+    plain autograd the tied .grad is the untied two .grad added."""
+    model = _tied_hf_model(model_type, device, torch.bfloat16)
+    untied = _untied_copy(model, *HF_TIED)
+    for m in (model, untied):
+        rl_engine_ext.patch(m)
+    seq = 256
+    tile = rl_engine_ext.grad_accumulation_tile_tokens(model)
+    ids = _hf_ids(model, device, 3 * tile // seq, seq)
+    micro_batches = ids.split(tile // seq)
+    one_batch = _hf_main_grads(model, [ids])
+    chained = _hf_main_grads(model, micro_batches)
+    for name, grad in one_batch.items():
+        assert_same_bits(chained[name], grad, f"{name}.main_grad")
+    untied_grads = _hf_main_grads(untied, micro_batches)
+    embedding, head = (f"{module}.weight" for module in HF_TIED)
+    assert_same_bits(chained[embedding], untied_grads[embedding] + untied_grads[head], "tied main_grad")
+    for m in (model, untied):
+        _hf_backward(m, [ids])
+    tied_grad = model.get_parameter(embedding).grad
+    assert_same_bits(tied_grad, untied.get_parameter(embedding).grad + untied.get_parameter(head).grad, "tied .grad")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_tied_hf_model_fp32_main_grad_is_autograds_gradient(device, model_type):
+    """fp32: the tied weight's main_grad (the sum of its chains) is fp32 autograd's gradient of the
+    unpatched model (both uses summed) within the contract's fp32 gradient tolerance."""
+    model = _tied_hf_model(model_type, device, torch.float32)
+    reference = copy.deepcopy(model)
+    ids = _hf_ids(model, device, 4, 64)
+    with contract.fp32_reference_mode():
+        logits = reference(ids, use_cache=False).logits[:, :-1]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])
+        (-logprobs.sum()).backward()
+    rl_engine_ext.patch(model)
+    embedding = f"{HF_TIED[0]}.weight"
+    got = _hf_main_grads(model, [ids])[embedding]
+    want = reference.get_parameter(embedding).grad
+    tol = contract.tolerance("linear_logprob", torch.float32, "gradient")
+    torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_every_op_with_a_weight_gradient_accumulator_declares_its_parameters():
+    """A family whose backward takes ``dweight_accum`` declares ParamGrads on its differentiable
+    op, so main_grad.call and fp32_grad_accumulation cover it with no code of their own."""
+    from rl_engine_ext.ops import SPECS
+
+    for spec in SPECS:
+        schemas = [getattr(torch.ops.rl_align, op.name).default._schema for op in spec.ops]
+        accumulates = any(arg.name == "dweight_accum" for schema in schemas for arg in schema.arguments)
+        declared = [op.name for op in spec.ops if op.autograd is not None and op.autograd.param_grads is not None]
+        assert bool(declared) == accumulates, spec.name
+        for name in declared:
+            assert name in main_grad._FUNCTIONS, name

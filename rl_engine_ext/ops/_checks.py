@@ -4,8 +4,6 @@ same messages: ValueError for dtypes, shapes and values; RuntimeError for device
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 
 from .. import contract
@@ -22,14 +20,6 @@ def check_dtype(op: str, name: str, t: torch.Tensor) -> None:
 def check_device(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.device != ref.device:
         raise RuntimeError(f"rl_align::{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
-
-
-def check_devices(op: str, ref_name: str, ref: torch.Tensor, named: Iterable[tuple[str, torch.Tensor | None]]) -> None:
-    """Every tensor argument on ``ref``'s device: a fake kernel must never answer for a call that
-    mixes devices (the dispatcher sends a call with any meta tensor to the fake kernel)."""
-    for name, t in named:
-        if t is not None:
-            check_device(op, name, t, ref_name, ref)
 
 
 def check_same(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:

@@ -29,13 +29,46 @@ OPS = types.SimpleNamespace()
 
 
 @dataclass(frozen=True)
+class ParamModule:
+    """A kind of module whose parameters (``params``: attribute names) an op takes, as nn.Linear's
+    weight and bias are linear's and linear_logprob's. ``fp32_grad_accumulation`` gives ``main_grad``
+    to the parameters of the modules that ``holds`` accepts, and a parameter held by modules of two
+    kinds (a tied embedding and LM head) one fp32 chain per kind (rl_engine_ext/main_grad.py)."""
+
+    name: str
+    holds: Callable[[torch.nn.Module], bool]
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ParamGrads:
+    """The parameters among a differentiable op's inputs (``inputs``: their positions, weight before
+    bias) and the kind of module that holds them. The op's ``Autograd.backward`` then takes
+    ``accums=``: None from autograd (the parameters' gradients rounded to their dtypes, as in
+    ``csrc/autograd``), or from rl_engine_ext.main_grad a tuple with one fp32 accumulator (or None)
+    per parameter, which the backward ops continue (their ``dweight_accum`` / ``dbias_accum``) and
+    the backward returns those gradients as the fp32 sums."""
+
+    inputs: tuple[int, ...]
+    module: ParamModule
+
+
+@dataclass(frozen=True)
 class Autograd:
-    """A differentiable op's formula for ``torch.library.register_autograd``. Used only when the
-    native library is absent (the native build registers the same formula in C++,
-    ``csrc/autograd/<op>.cpp``, which costs less host time per call)."""
+    """A differentiable op's formula for ``torch.library.register_autograd``, used when the native
+    library is absent (the native build registers the same formula in C++,
+    ``csrc/autograd/<op>.cpp``, which costs less host time per call), and by rl_engine_ext.main_grad
+    for the ops with ``param_grads``: ``backward(ctx, *grads, accums=None)``."""
 
     setup_context: Callable[[Any, tuple, Any], None]
     backward: Callable[..., tuple]
+    param_grads: ParamGrads | None = None
+
+
+def param_grad(fp32_sum: torch.Tensor, dtype: torch.dtype, accums: tuple | None) -> torch.Tensor:
+    """A parameter's gradient in a ``ParamGrads`` backward: the backward op's fp32 sum for
+    main_grad (``accums`` given), else rounded once to the parameter's dtype for autograd."""
+    return fp32_sum if accums is not None else fp32_sum.to(dtype)
 
 
 class Autocast(enum.Enum):
@@ -118,13 +151,35 @@ class InvarianceCase:
 
 
 @dataclass(frozen=True)
+class AutocastCase:
+    """One schema op (``op``) under torch.autocast, for tests/test_autocast.py, which casts the
+    arguments explicitly by the op's registered ``OpDef.autocast`` rule and checks the op's
+    outputs, gradients and output dtypes: ``make(device, activation_dtype)`` builds its arguments,
+    fp32 parameters beside activations of ``activation_dtype``, the floating-point leaves requiring
+    grad where the op is differentiable; ``ours`` (the public function) and ``counterpart`` (the
+    torch expression the op replaces, whose output dtypes under autocast ours must match) take them."""
+
+    op: str
+    make: Callable[[str, torch.dtype], tuple]
+    ours: Callable[..., Any]
+    counterpart: Callable[..., Any]
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """An op family: its schema ops and what the generic machinery needs.
 
     ``check_shapes`` are the status-matrix shapes, each a mapping of labelled sizes passed as
     keyword arguments to ``invariance_case(device, dtype, **shape)``. ``constants`` are the values
     shared with the C++ kernels; the native library exports each under the same name
-    (``rl_engine_ext._C.<NAME>``) and a test compares them.
+    (``rl_engine_ext._C.<NAME>``) and a test compares them. ``autocast_cases``: one per schema op
+    with an autocast rule, and per op whose passing through autocast uncast is checked
+    (tests/test_autocast.py requires a case for every op with a rule). ``host_cost_args(device,
+    dims, tokens)``: the bf16 arguments, in schema order, of the family's differentiable ops as a
+    model of those dimensions (Hugging Face config names: hidden_size, intermediate_size,
+    num_attention_heads, num_key_value_heads, head_dim, vocab_size) calls them on ``tokens``
+    tokens, the tensors a gradient reaches requiring grad: one row each in
+    benchmarks/bench_autograd_host.py.
     """
 
     name: str
@@ -137,6 +192,8 @@ class OpSpec:
     check_shapes: tuple[Mapping[str, int], ...]
     invariance_case: Callable[..., InvarianceCase]
     constants: Mapping[str, int] = field(default_factory=dict)
+    autocast_cases: tuple[AutocastCase, ...] = ()
+    host_cost_args: Callable[[str, Mapping[str, int], int], Mapping[str, tuple]] | None = None
 
     def op(self, name: str) -> OpDef:
         for op in self.ops:

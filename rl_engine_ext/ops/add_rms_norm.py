@@ -18,7 +18,8 @@ import torch
 
 from .. import contract
 from . import rms_norm as rms
-from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import (Autocast, AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, ParamGrads, Sample,
+                    param_grad, seeded_randn)
 
 OP = "add_rms_norm"
 EPS = rms.EPS
@@ -78,14 +79,15 @@ def _setup_context(ctx, inputs, output):
     ctx.mode = mode
 
 
-def _backward(ctx, grad_y, grad_residual):
+def _backward(ctx, grad_y, grad_residual, accums=None):
     if grad_y is None:
         return grad_residual, grad_residual, None, None, None
     new_residual, weight = ctx.saved_tensors
+    (weight_accum,) = accums or (None,)
     grad_input, grad_weight = OPS.add_rms_norm_backward(
-        grad_y.contiguous(), grad_residual, new_residual, weight, ctx.eps, None, ctx.mode)
+        grad_y.contiguous(), grad_residual, new_residual, weight, ctx.eps, weight_accum, ctx.mode)
     return (grad_input if ctx.needs_input_grad[0] else None, grad_input if ctx.needs_input_grad[1] else None,
-            grad_weight.to(weight.dtype) if ctx.needs_input_grad[2] else None, None, None)
+            param_grad(grad_weight, weight.dtype, accums) if ctx.needs_input_grad[2] else None, None, None)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -173,12 +175,27 @@ def _invariance_case(device: str, dtype: torch.dtype, rows: int, hidden: int) ->
     )
 
 
+def _autocast_args(device, act):
+    # x from a projection in the activation dtype; the residual stream in fp32 (fp32 embedding).
+    return (seeded_randn(3, 5, 64, dtype=act, device=device, seed=19).requires_grad_(),
+            seeded_randn(3, 5, 64, dtype=torch.float32, device=device, seed=20).requires_grad_(),
+            seeded_randn(64, dtype=torch.float32, device=device, seed=21).requires_grad_())
+
+
+def _host_cost_args(device, dims, tokens):
+    h = dims["hidden_size"]
+    return {OP: (seeded_randn(tokens, h, dtype=torch.bfloat16, device=device, seed=1).requires_grad_(),
+                 seeded_randn(tokens, h, dtype=torch.bfloat16, device=device, seed=2).requires_grad_(),
+                 (seeded_randn(h, dtype=torch.bfloat16, device=device, seed=3, scale=0.1) + 1).requires_grad_(),
+                 1e-6, "llama")}
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="reduction",
     ops=(
-        OpDef(OP, check_add_rms_norm, reference_forward, _empty_forward, Autograd(_setup_context, _backward),
-              Autocast.NORM),
+        OpDef(OP, check_add_rms_norm, reference_forward, _empty_forward,
+              Autograd(_setup_context, _backward, ParamGrads((2,), rms.RMS_NORM_MODULE)), Autocast.NORM),
         OpDef("add_rms_norm_backward", check_add_rms_norm_backward, reference_backward, _empty_backward),
     ),
     exports={"add_rms_norm": add_rms_norm, "add_rms_norm_backward": add_rms_norm_backward},
@@ -187,4 +204,8 @@ SPEC = OpSpec(
     bad_inputs=_bad_inputs,
     check_shapes=({"rows": 257, "hidden": 4096}, {"rows": 1029, "hidden": 128}),
     invariance_case=_invariance_case,
+    autocast_cases=(AutocastCase(
+        OP, _autocast_args, lambda x, r, w: add_rms_norm(x, r, w, 1e-6),
+        lambda x, r, w: (torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6), x + r)),),
+    host_cost_args=_host_cost_args,
 )

@@ -42,7 +42,7 @@ import torch
 
 from .. import contract, testing
 from . import _checks
-from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import Autocast, AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "attention"
 
@@ -699,6 +699,40 @@ def _invariance_case(device: str, dtype: torch.dtype, batch: int, heads_q: int, 
     )
 
 
+def _sdpa_causal(q, k, v):
+    """The torch counterpart: SDPA, causal, GQA."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _autocast_args(device, act):
+    # q from a projection in the activation dtype, k and v in fp32: autocast casts all three.
+    return (seeded_randn(2, 4, 16, 64, dtype=act, device=device, seed=8).requires_grad_(),
+            seeded_randn(2, 2, 16, 64, dtype=torch.float32, device=device, seed=9).requires_grad_(),
+            seeded_randn(2, 2, 16, 64, dtype=torch.float32, device=device, seed=10).requires_grad_())
+
+
+def _autocast_varlen_args(device, act):
+    return (seeded_randn(12, 4, 64, dtype=act, device=device, seed=11).requires_grad_(),
+            seeded_randn(12, 2, 64, dtype=torch.float32, device=device, seed=12).requires_grad_(),
+            seeded_randn(12, 2, 64, dtype=torch.float32, device=device, seed=13).requires_grad_(),
+            torch.tensor([0, 5, 12], dtype=torch.int32, device=device))
+
+
+def _autocast_kvcache_args(device, act):
+    return (seeded_randn(2, 4, 1, 64, dtype=act, device=device, seed=14),
+            seeded_randn(2, 2, 16, 64, dtype=torch.float32, device=device, seed=15),
+            seeded_randn(2, 2, 16, 64, dtype=torch.float32, device=device, seed=16),
+            torch.tensor([5, 16], dtype=torch.int32, device=device))
+
+
+def _host_cost_args(device, dims, tokens):
+    hq, hkv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
+    q, k, v = (seeded_randn(tokens, heads, d, dtype=torch.bfloat16, device=device, seed=seed).requires_grad_()
+               for heads, seed in ((hq, 1), (hkv, 2), (hkv, 3)))
+    cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    return {"attention_varlen": (q, k, v, cu_seqlens, tokens, None, True, False)}
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="attention",
@@ -726,4 +760,12 @@ SPEC = OpSpec(
                   {"batch": 3, "heads_q": 8, "heads_kv": 8, "seq": 77, "head_dim": 128}),
     invariance_case=_invariance_case,
     constants={"ATTENTION_KV_BLOCK": ATTENTION_KV_BLOCK, "ATTENTION_KV_SPLIT": ATTENTION_KV_SPLIT},
+    autocast_cases=(
+        AutocastCase("attention", _autocast_args, attention, _sdpa_causal),
+        AutocastCase("attention_varlen", _autocast_varlen_args, attention_varlen,  # its dtypes: SDPA on [H, T, D]
+                     lambda q, k, v, cu: _sdpa_causal(*(t.transpose(0, 1) for t in (q, k, v))).transpose(0, 1)),
+        AutocastCase("attention_kvcache", _autocast_kvcache_args, attention_kvcache,
+                     lambda q, k, v, lens: _sdpa_causal(q, k, v)),
+    ),
+    host_cost_args=_host_cost_args,
 )

@@ -19,11 +19,15 @@ from __future__ import annotations
 import torch
 
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import (AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, ParamGrads, ParamModule,
+                    Sample, param_grad, seeded_randn)
 
 OP = "embedding"
 GRAD_OP = "embedding_grad_weight"
 ID_DTYPES = (torch.int32, torch.int64)
+
+# The module whose weight embedding takes.
+EMBEDDING_MODULE = ParamModule("nn.Embedding", lambda module: isinstance(module, torch.nn.Embedding), ("weight",))
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks (the one Python copy; C++: csrc/host/embedding.h)
@@ -130,10 +134,13 @@ def _setup_context(ctx, inputs, output):
     ctx.padding_idx = padding_idx
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grad, accums=None):
     (ids,) = ctx.saved_tensors
-    dweight = OPS.embedding_grad_weight(grad, ids, ctx.num_embeddings, ctx.padding_idx, None)
-    return None, dweight.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None
+    if not ctx.needs_input_grad[1]:
+        return None, None, None
+    (weight_accum,) = accums or (None,)
+    dweight = OPS.embedding_grad_weight(grad, ids, ctx.num_embeddings, ctx.padding_idx, weight_accum)
+    return None, param_grad(dweight, ctx.weight_dtype, accums), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,11 +247,25 @@ def _invariance_case(device: str, dtype: torch.dtype, tokens: int, hidden: int, 
     )
 
 
+def _autocast_args(device, act):
+    ids = torch.tensor([[1, 7, 7, 0, 49], [3, 3, 2, 8, 1]], device=device)
+    return ids, seeded_randn(50, 32, dtype=act, device=device, seed=27).requires_grad_()
+
+
+def _host_cost_args(device, dims, tokens):
+    # An hidden x hidden table, not the vocabulary: at decode size the host time, not the gradient's
+    # vocabulary-sized zero fill, is what the benchmark compares.
+    h = dims["hidden_size"]
+    return {OP: (seeded_ids(tokens, vocab=h, device=device, seed=1),
+                 seeded_randn(h, h, dtype=torch.bfloat16, device=device, seed=2, scale=h**-0.5).requires_grad_())}
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="elementwise",
     ops=(
-        OpDef(OP, check_embedding, reference_forward, _empty_forward, Autograd(_setup_context, _backward)),
+        OpDef(OP, check_embedding, reference_forward, _empty_forward,
+              Autograd(_setup_context, _backward, ParamGrads((1,), EMBEDDING_MODULE))),
         OpDef(GRAD_OP, check_embedding_grad_weight, reference_grad_weight, _empty_grad_weight),
     ),
     exports={"embedding": embedding, "embedding_grad_weight": embedding_grad_weight},
@@ -253,4 +274,6 @@ SPEC = OpSpec(
     bad_inputs=_bad_inputs,
     check_shapes=({"tokens": 257, "hidden": 4096, "vocab": 512}, {"tokens": 1029, "hidden": 128, "vocab": 50}),
     invariance_case=_invariance_case,
+    autocast_cases=(AutocastCase(OP, _autocast_args, embedding, torch.nn.functional.embedding),),
+    host_cost_args=_host_cost_args,
 )

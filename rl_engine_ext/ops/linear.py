@@ -23,12 +23,16 @@ import torch
 
 from .. import contract
 from . import _checks
-from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import (Autocast, AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, ParamGrads,
+                    ParamModule, Sample, param_grad, seeded_randn)
 
 OP = "linear"
 
 # Shared with kLinearGradTileTokens in csrc/common/gemm_problem.h (exported by the native library).
 LINEAR_GRAD_TILE_TOKENS = 64
+
+# The module whose weight and bias linear (and linear_logprob: an LM head) takes.
+LINEAR_MODULE = ParamModule("nn.Linear", lambda module: isinstance(module, torch.nn.Linear), ("weight", "bias"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,14 +167,17 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grad, accums=None):
     x, weight = ctx.saved_tensors
+    weight_accum, bias_accum = accums or (None, None)
     grad = grad.contiguous()
     grad_x = OPS.linear_grad_input(grad, weight) if ctx.needs_input_grad[0] else None
-    grad_w = OPS.linear_grad_weight(grad, x, None).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = param_grad(OPS.linear_grad_weight(grad, x, weight_accum), weight.dtype, accums)
     grad_b = None
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-        grad_b = OPS.linear_grad_bias(grad, None).to(ctx.bias_dtype)
+        grad_b = param_grad(OPS.linear_grad_bias(grad, bias_accum), ctx.bias_dtype, accums)
     return grad_x, grad_w, grad_b
 
 
@@ -286,12 +293,24 @@ def _invariance_case(device: str, dtype: torch.dtype, rows: int, out_features: i
     )
 
 
+def _autocast_args(device, act):
+    return (seeded_randn(2, 5, 40, dtype=act, device=device, seed=1).requires_grad_(),
+            seeded_randn(24, 40, dtype=torch.float32, device=device, seed=2, scale=40**-0.5).requires_grad_(),
+            seeded_randn(24, dtype=torch.float32, device=device, seed=3).requires_grad_())
+
+
+def _host_cost_args(device, dims, tokens):
+    h = dims["hidden_size"]
+    return {OP: (seeded_randn(tokens, h, dtype=torch.bfloat16, device=device, seed=1).requires_grad_(),
+                 seeded_randn(h, h, dtype=torch.bfloat16, device=device, seed=2, scale=h**-0.5).requires_grad_())}
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="reduction",
     ops=(
-        OpDef("linear", check_linear, reference_forward, _empty_forward, Autograd(_setup_context, _backward),
-              Autocast.LOWER_PRECISION),
+        OpDef("linear", check_linear, reference_forward, _empty_forward,
+              Autograd(_setup_context, _backward, ParamGrads((1, 2), LINEAR_MODULE)), Autocast.LOWER_PRECISION),
         OpDef("linear_grad_input", check_grad_input, reference_grad_input, _empty_grad_input),
         OpDef("linear_grad_weight", check_grad_weight, reference_grad_weight, _empty_grad_weight),
         OpDef("linear_grad_bias", check_grad_bias, reference_grad_bias, _empty_grad_bias),
@@ -310,4 +329,6 @@ SPEC = OpSpec(
                   {"rows": 130, "out_features": 33, "in_features": 100}),
     invariance_case=_invariance_case,
     constants={"LINEAR_GRAD_TILE_TOKENS": LINEAR_GRAD_TILE_TOKENS},
+    autocast_cases=(AutocastCase(OP, _autocast_args, linear, torch.nn.functional.linear),),
+    host_cost_args=_host_cost_args,
 )

@@ -22,16 +22,18 @@ import torch
 
 from .. import contract
 from . import _checks
-from .linear import LINEAR_GRAD_TILE_TOKENS
+from .linear import LINEAR_GRAD_TILE_TOKENS, LINEAR_MODULE
 from .linear import reference_forward as reference_linear
 from .linear import reference_grad_bias, reference_grad_input, reference_grad_weight
 from .logprob import (
-    IGNORE_INDEX, TEMPERATURE_OUT_OF_RANGE, _targets, check_backward_stats, float64_truth, check_targets,
+    AUTOCAST_TEMPERATURE, IGNORE_INDEX, TEMPERATURE_OUT_OF_RANGE, _targets, check_backward_stats, float64_truth,
+    check_targets, torch_token_logprobs,
     check_targets_in_range, check_temperature,
     reference_logprob,
     reference_logprob_backward,
 )
-from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import (Autocast, AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, ParamGrads, Sample,
+                    seeded_randn)
 
 OP = "linear_logprob"
 GRAD_OP = "linear_logprob_backward"
@@ -190,16 +192,23 @@ def _empty_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, e
 def _setup_context(ctx, inputs, output):
     hidden, weight, targets, bias, temperature, ignore_index = inputs
     _, entropy, lse = output
+    # As csrc/autograd/logprob_grads.h: an unused entropy adds no entropy term (None, not zeros).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, targets, entropy, lse, bias)
     ctx.temperature, ctx.ignore_index = temperature, ignore_index
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
+def _backward(ctx, grad_logprob, grad_entropy, grad_lse, accums=None):
+    """The weight and bias gradients: rounded in the kernel for autograd (fp32_param_grads=False,
+    no fp32 copy of the LM head), fp32 sums continuing ``accums`` for main_grad."""
+    if grad_logprob is None and grad_entropy is None:
+        return (None,) * 6
     hidden, weight, targets, entropy, lse, bias = ctx.saved_tensors
+    weight_accum, bias_accum = accums or (None, None)
     grad_hidden, grad_weight, grad_bias = OPS.linear_logprob_backward(
-        grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse, ctx.temperature, ctx.ignore_index,
-        None, None, False)
+        torch.zeros_like(entropy) if grad_logprob is None else grad_logprob, grad_entropy, hidden, weight, bias,
+        targets, entropy, lse, ctx.temperature, ctx.ignore_index, weight_accum, bias_accum, accums is not None)
     return (grad_hidden if ctx.needs_input_grad[0] else None,
             grad_weight if ctx.needs_input_grad[1] else None,
             None,
@@ -340,12 +349,26 @@ def _invariance_case(device: str, dtype: torch.dtype, rows: int, vocab: int, wid
     )
 
 
+def _autocast_args(device, act):
+    return (seeded_randn(2, 5, 32, dtype=act, device=device, seed=4).requires_grad_(),
+            seeded_randn(70, 32, dtype=torch.float32, device=device, seed=5, scale=2 * 32**-0.5).requires_grad_(),
+            _targets((2, 5), 70, device, seed=7, ignored_every=4),
+            seeded_randn(70, dtype=torch.float32, device=device, seed=6).requires_grad_())
+
+
+def _host_cost_args(device, dims, tokens):
+    h, vocab = dims["hidden_size"], dims["vocab_size"]
+    return {OP: (seeded_randn(tokens, h, dtype=torch.bfloat16, device=device, seed=1).requires_grad_(),
+                 seeded_randn(vocab, h, dtype=torch.bfloat16, device=device, seed=2, scale=h**-0.5).requires_grad_(),
+                 _targets((tokens,), vocab, device, seed=3))}
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="logprob",
     ops=(
-        OpDef(OP, check_linear_logprob, reference_linear_logprob, _empty_forward, Autograd(_setup_context, _backward),
-              Autocast.LOWER_PRECISION),
+        OpDef(OP, check_linear_logprob, reference_linear_logprob, _empty_forward,
+              Autograd(_setup_context, _backward, ParamGrads((1, 3), LINEAR_MODULE)), Autocast.LOWER_PRECISION),
         OpDef(GRAD_OP, check_linear_logprob_backward, reference_linear_logprob_backward, _empty_backward),
     ),
     exports={
@@ -363,4 +386,8 @@ SPEC = OpSpec(
     invariance_case=_invariance_case,
     constants={"LINEAR_LOGPROB_CHUNK_ELEMENTS": LINEAR_LOGPROB_CHUNK_ELEMENTS,
                "LINEAR_LOGPROB_SLICE_COLUMNS": SLICE_COLUMNS},
+    autocast_cases=(AutocastCase(
+        OP, _autocast_args, lambda h, w, t, b: linear_logprob(h, w, t, AUTOCAST_TEMPERATURE, True, b),
+        lambda h, w, t, b: torch_token_logprobs(torch.nn.functional.linear(h, w, b), t, AUTOCAST_TEMPERATURE)),),
+    host_cost_args=_host_cost_args,
 )

@@ -24,7 +24,7 @@ import torch
 
 from .. import contract
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "logprob"
 GRAD_OP = "logprob_backward"
@@ -320,6 +320,20 @@ def _invariance_case(device: str, dtype: torch.dtype, rows: int, vocab: int) -> 
     )
 
 
+AUTOCAST_TEMPERATURE = 0.9
+
+
+def torch_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """What logprob replaces in torch: log_softmax of the fp32 logits, gathered at the targets, and the entropy."""
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    return logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _autocast_args(device, act):
+    return (seeded_randn(2, 5, 70, dtype=act, device=device, seed=22, scale=3.0).requires_grad_(),
+            _targets((2, 5), 70, device, seed=7, ignored_every=4))
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="logprob",
@@ -336,4 +350,7 @@ SPEC = OpSpec(
     bad_inputs=_bad_inputs,
     check_shapes=({"rows": 67, "vocab": 32000}, {"rows": 257, "vocab": 1001}),
     invariance_case=_invariance_case,
+    autocast_cases=(AutocastCase(OP, _autocast_args,
+                                 lambda z, t: logprob(z, t, AUTOCAST_TEMPERATURE, return_entropy=True),
+                                 lambda z, t: torch_token_logprobs(z, t, AUTOCAST_TEMPERATURE)),),
 )

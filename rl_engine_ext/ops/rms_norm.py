@@ -26,7 +26,8 @@ import torch
 
 from .. import contract, testing
 from . import _checks
-from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import (Autocast, AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, ParamGrads,
+                    ParamModule, Sample, param_grad, seeded_randn)
 
 OP = "rms_norm"
 MODES = ("fp32", "llama", "gemma")
@@ -42,6 +43,21 @@ def rms_norm_tile_rows(hidden: int) -> int:
     while hidden > 0 and rows * 2 * hidden <= RMS_NORM_TILE_ELEMENTS:
         rows *= 2
     return rows
+
+
+def is_rms_norm_like(module: torch.nn.Module) -> bool:
+    """A 1-D weight and an epsilon (HF's ``variance_epsilon``, or ``eps``). torch.nn's own modules
+    with those (LayerNorm, GroupNorm, the batch and instance norms) count only if nn.RMSNorm."""
+    weight = getattr(module, "weight", None)
+    if not (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1):
+        return False
+    if not (hasattr(module, "variance_epsilon") or hasattr(module, "eps")):
+        return False
+    return isinstance(module, torch.nn.RMSNorm) or not type(module).__module__.startswith("torch.nn.")
+
+
+# The module whose weight rms_norm and add_rms_norm take.
+RMS_NORM_MODULE = ParamModule("RMSNorm", is_rms_norm_like, ("weight",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,11 +196,12 @@ def _setup_context(ctx, inputs, output):
     ctx.mode = mode
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grad, accums=None):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight = OPS.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps, None, ctx.mode)
+    (weight_accum,) = accums or (None,)
+    grad_x, grad_weight = OPS.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps, weight_accum, ctx.mode)
     return (grad_x if ctx.needs_input_grad[0] else None,
-            grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None)
+            param_grad(grad_weight, weight.dtype, accums) if ctx.needs_input_grad[1] else None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,12 +306,24 @@ def _invariance_case(device: str, dtype: torch.dtype, rows: int, hidden: int) ->
     )
 
 
+def _autocast_args(device, act):
+    return (seeded_randn(3, 5, 64, dtype=act, device=device, seed=17).requires_grad_(),
+            seeded_randn(64, dtype=torch.float32, device=device, seed=18).requires_grad_())
+
+
+def _host_cost_args(device, dims, tokens):
+    h = dims["hidden_size"]
+    return {OP: (seeded_randn(tokens, h, dtype=torch.bfloat16, device=device, seed=1).requires_grad_(),
+                 (seeded_randn(h, dtype=torch.bfloat16, device=device, seed=2, scale=0.1) + 1).requires_grad_(),
+                 1e-6, "llama")}
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="reduction",
     ops=(
-        OpDef("rms_norm", check_rms_norm, reference_forward, _empty_forward, Autograd(_setup_context, _backward),
-              Autocast.NORM),
+        OpDef("rms_norm", check_rms_norm, reference_forward, _empty_forward,
+              Autograd(_setup_context, _backward, ParamGrads((1,), RMS_NORM_MODULE)), Autocast.NORM),
         OpDef("rms_norm_backward", check_rms_norm_backward, reference_backward, empty_backward),
     ),
     exports={"rms_norm": rms_norm, "rms_norm_backward": rms_norm_backward, "rms_norm_tile_rows": rms_norm_tile_rows},
@@ -304,4 +333,7 @@ SPEC = OpSpec(
     check_shapes=({"rows": 257, "hidden": 4096}, {"rows": 1029, "hidden": 128}),
     invariance_case=_invariance_case,
     constants={"RMS_NORM_TILE_ELEMENTS": RMS_NORM_TILE_ELEMENTS, "RMS_NORM_MIN_TILE_ROWS": RMS_NORM_MIN_TILE_ROWS},
+    autocast_cases=(AutocastCase(OP, _autocast_args, lambda x, w: rms_norm(x, w, 1e-6),
+                                 lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)),),
+    host_cost_args=_host_cost_args,
 )

@@ -39,7 +39,7 @@ import torch
 
 from .. import contract, testing
 from . import _checks
-from ._spec import Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "rope"
 STYLES = ("neox", "gptj")
@@ -325,6 +325,34 @@ def _invariance_case(device: str, dtype: torch.dtype, heads_q: int, heads_kv: in
     return InvarianceCase(fn=fn, rows=[q, k, positions], accuracy=accuracy, extra_forward=extra)
 
 
+def _hf_rope(q, k, positions, inv_freq):
+    """The torch counterpart: Hugging Face's apply_rotary_pos_emb (cos and sin in fp32, cast to the
+    activations' dtype)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        x_rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * emb.cos().to(x.dtype) + x_rot * emb.sin().to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def _autocast_args(device, act):
+    return (seeded_randn(2, 4, 6, 64, dtype=act, device=device, seed=23).requires_grad_(),
+            seeded_randn(2, 2, 6, 64, dtype=act, device=device, seed=24).requires_grad_(),
+            torch.arange(12, device=device).view(2, 6) + 3,
+            rope_inv_freq(64, device=device))
+
+
+def _host_cost_args(device, dims, tokens):
+    hq, hkv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
+    return {OP: (seeded_randn(tokens, hq, d, dtype=torch.bfloat16, device=device, seed=1).requires_grad_(),
+                 seeded_randn(tokens, hkv, d, dtype=torch.bfloat16, device=device, seed=2).requires_grad_(),
+                 torch.arange(tokens, device=device), rope_inv_freq(d, 1e6, device), "neox", "thd", 1.0)}
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="elementwise",
@@ -339,4 +367,6 @@ SPEC = OpSpec(
     check_shapes=({"tokens": 1029, "heads_q": 32, "heads_kv": 8, "head_dim": 128, "rotary_dim": 128},
                   {"batch": 5, "seq": 77, "heads_q": 4, "heads_kv": 2, "head_dim": 64, "rotary_dim": 32, "gptj": 1}),
     invariance_case=_invariance_case,
+    autocast_cases=(AutocastCase(OP, _autocast_args, rope, _hf_rope),),
+    host_cost_args=_host_cost_args,
 )

@@ -23,7 +23,7 @@ import torch
 
 from .. import contract
 from . import _checks
-from ._spec import Autocast, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
+from ._spec import Autocast, AutocastCase, Autograd, BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
 
 OP = "silu_and_mul"
 
@@ -261,6 +261,20 @@ def _invariance_case(device: str, dtype: torch.dtype, rows: int, inter: int) -> 
     )
 
 
+def _autocast_args(device, act):
+    return (seeded_randn(3, 5, 48, dtype=act, device=device, seed=28).requires_grad_(),)
+
+
+def _autocast_silu_mul_args(device, act):
+    return (seeded_randn(3, 5, 24, dtype=act, device=device, seed=25).requires_grad_(),
+            seeded_randn(3, 5, 24, dtype=torch.float32, device=device, seed=26).requires_grad_())
+
+
+def _host_cost_args(device, dims, tokens):
+    inter = dims["intermediate_size"]
+    return {OP: (seeded_randn(tokens, 2 * inter, dtype=torch.bfloat16, device=device, seed=1).requires_grad_(),)}
+
+
 SPEC = OpSpec(
     name=OP,
     op_class="elementwise",
@@ -280,4 +294,11 @@ SPEC = OpSpec(
     bad_inputs=_bad_inputs,
     check_shapes=({"rows": 257, "inter": 4096}, {"rows": 1029, "inter": 129}),
     invariance_case=_invariance_case,
+    autocast_cases=(
+        AutocastCase("silu_and_mul", _autocast_args, silu_and_mul,
+                     lambda gu: torch.nn.functional.silu(gu[..., :24]) * gu[..., 24:]),
+        AutocastCase("silu_mul", _autocast_silu_mul_args, silu_and_mul,
+                     lambda gate, up: torch.nn.functional.silu(gate) * up),
+    ),
+    host_cost_args=_host_cost_args,
 )
