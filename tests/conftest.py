@@ -5,9 +5,20 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 import torch
+
+# torch's own deprecation noise, not ours: two torch modules build TorchScript with the deprecated
+# torch.jit API when first imported, one warning per function: torch.utils.mkldnn (imported by
+# inductor on the first torch.compile) and torch._decomp.decompositions_for_jvp (by forward-mode
+# AD's first make_dual). Imported here once with exactly those warnings silenced; any other use of
+# torch.jit still warns.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script(_method)?` is deprecated", category=DeprecationWarning)
+    import torch._decomp.decompositions_for_jvp  # noqa: F401
+    import torch.utils.mkldnn  # noqa: F401
 
 try:
     import fcntl
@@ -16,6 +27,7 @@ except ImportError:  # not POSIX: no cross-process lock (tests then run one proc
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+NO_CUDA = "no CUDA device"  # the skip reason of every CUDA case on a machine without one
 
 
 @contextlib.contextmanager
@@ -73,10 +85,20 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not _float32_on_a_forced_path(item)]
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="no CUDA device")
+    skip = pytest.mark.skip(reason=NO_CUDA)
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Says what the bare `s` of a CPU run are: the CUDA cases, skipped for want of a device."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    cuda = sum(1 for report in skipped if isinstance(report.longrepr, tuple) and report.longrepr[2].endswith(NO_CUDA))
+    if cuda:
+        terminalreporter.write_line(f"{cuda} CUDA cases skipped: {NO_CUDA} (torch {torch.__version__} sees none)")
+    if len(skipped) > cuda:
+        terminalreporter.write_line(f"{len(skipped) - cuda} other cases skipped (-rs lists them with their reasons)")
 
 
 @pytest.fixture(params=DEVICES)

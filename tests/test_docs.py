@@ -62,7 +62,8 @@ def test_readme_rms_norm_tile_table_is_the_function():
 def test_readme_names_no_stale_tile():
     """The old claim ("32 for H >= 1024") is gone from every doc."""
     root = os.path.dirname(README)
-    for path in [README] + [os.path.join(root, "docs", f) for f in os.listdir(os.path.join(root, "docs"))]:
+    docs = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(root, "docs")) for f in files if f.endswith(".md")]
+    for path in [README] + docs:  # the Markdown docs; docs/perf's run journals are history
         with open(path, encoding="utf-8") as f:
             assert "32 for H >= 1024" not in f.read(), path
 

@@ -1,5 +1,6 @@
 """The release scripts' refusals (scripts/bootstrap.sh, scripts/build_wheel.sh, setup.py without an
-importable torch): each says why and changes nothing. Their working paths run in CI: bootstrap.sh on every fresh machine, build_wheel.sh
+importable torch): each says why and changes nothing. setup.py's builds are incremental, and a
+CPU run's test summary says what its skipped cases are. Their working paths run in CI: bootstrap.sh on every fresh machine, build_wheel.sh
 cpu in scripts/check_packaging.sh, whose wheel the whole suite is then run against."""
 
 import os
@@ -63,3 +64,40 @@ def test_setup_py_without_an_importable_torch_says_to_build_without_isolation(tm
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 1, done.stdout + done.stderr
     assert "pip install --no-build-isolation ." in done.stderr and "RL_ENGINE_EXT_NO_NATIVE=1" in done.stderr
+
+
+def test_setup_py_compiles_in_the_trees_build_folder_whatever_the_command(tmp_path):
+    """An editable install (pip install -e .) builds in the tree's build/temp.* folder, where ninja's
+    objects of the last build are, not in the temporary folder setuptools gives it: a rebuild of an
+    unchanged tree compiles nothing (scripts/bootstrap.sh)."""
+    import setuptools  # noqa: F401  (first: distutils is then setuptools' own, as in setup.py and pip's build)
+    from distutils.core import run_setup
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        dist = run_setup(os.path.join(ROOT, "setup.py"), script_args=["build_ext"], stop_after="commandline")
+    finally:
+        os.chdir(cwd)
+    if not dist.ext_modules:
+        pytest.skip("no native build here (RL_ENGINE_EXT_NO_NATIVE=1)")
+    dist.get_command_obj("build").build_temp = str(tmp_path)  # what setuptools' editable_wheel sets
+    build_ext = dist.get_command_obj("build_ext")
+    build_ext.editable_mode = True
+    build_ext.ensure_finalized()
+    assert os.path.dirname(build_ext.build_temp) == os.path.join(ROOT, "build")
+    assert os.path.basename(build_ext.build_temp).startswith("temp.")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA cases run here")
+def test_summary_counts_the_skipped_cuda_cases_and_torch_jit_stays_quiet():
+    """pytest's summary on a machine without CUDA says how many CUDA cases it skipped and why
+    (tests/conftest.py), and the deprecated torch.jit calls inside torch that torch.compile and
+    forward-mode AD trigger print no warning."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_registry.py"),
+         "-k", "rms_norm and (meta_tensors_give or graph_recorded_only or torch_compile_fullgraph)"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6 CUDA cases skipped: no CUDA device" in done.stdout and "6 skipped" in done.stdout, done.stdout  # rms_norm, add_rms_norm
+    assert "DeprecationWarning" not in done.stdout + done.stderr, done.stdout + done.stderr
