@@ -75,14 +75,11 @@ MAIN_GRAD_CHAINS = "main_grad_chains"
 _VIEW_ALIGNMENT = 128
 
 
-# Whether any Fp32GradAccumulation handle is live (_LIVE_HANDLES[0] of them). Read by every function
-# below, so torch.compile guards on it: a graph compiled before the buffers existed (or after they
-# went) is recompiled, whether or not the torch version guards on an attribute added to a Parameter.
-# A bool, not the count, so the guard has two values and a process holding many handles does not
-# recompile per handle (torch's recompile limit is 8). A main_grad attached by hand (as a framework
-# does) is honoured while a handle is live: fp32_grad_accumulation(nn.Module()) gives one.
-_ACCUMULATING = [False]
-_LIVE_HANDLES = [0]
+# Live Fp32GradAccumulation handles. Read by every function below, so torch.compile guards on it:
+# a graph compiled before the buffers existed (or after they went) is recompiled, whether or not the
+# torch version guards on an attribute added to a Parameter. A main_grad attached by hand (as a
+# framework does) is honoured while a handle is live: fp32_grad_accumulation(nn.Module()) gives one.
+_ACCUMULATING = [0]
 
 
 class _Chain(NamedTuple):
@@ -282,8 +279,7 @@ class Fp32GradAccumulation:
         self.parameters = parameters
         self.buffers = buffers
         self._live = True
-        _LIVE_HANDLES[0] += 1
-        _ACCUMULATING[0] = True
+        _ACCUMULATING[0] += 1
 
     def zero_(self) -> "Fp32GradAccumulation":
         """Zeroes every ``main_grad`` and chain (after the optimizer step, before the next step's
@@ -300,8 +296,7 @@ class Fp32GradAccumulation:
             delattr(param, MAIN_GRAD)
             delattr(param, MAIN_GRAD_CHAINS)
         self.parameters, self.buffers, self._live = [], {}, False
-        _LIVE_HANDLES[0] -= 1
-        _ACCUMULATING[0] = _LIVE_HANDLES[0] > 0
+        _ACCUMULATING[0] -= 1
 
 
 def fp32_grad_accumulation(model: nn.Module) -> Fp32GradAccumulation:

@@ -122,6 +122,47 @@ struct PairRingProducer {
   }
 };
 
+// Both kernels' shared memory, from the dynamic allocation aligned up to 1024 bytes: two resident
+// tiles per consumer ([consumer][64 rows][D] each: K and V for dK/dV, Q and dO for dQ), the ring
+// of two-tile stages (Q and dO, or K and V), the barriers (full, empty per stage; resident ready,
+// tail, resident free), then (EXACT) a cut scratch per consumer 1024 bytes past the ring.
+template <typename Cfg>
+struct BwdSmem {
+  uint8_t *resident_a, *resident_b, *ring;
+  uint64_t *full, *empty, *resident_ready, *tail, *resident_free;
+  uint8_t* cut_scratch;
+  __device__ __forceinline__ explicit BwdSmem(uint8_t* smem_raw) {
+    uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+    resident_a = smem;
+    resident_b = smem + Cfg::CONSUMERS * Cfg::TILE_BYTES;
+    ring = smem + Cfg::RESIDENT_BYTES;
+    full = reinterpret_cast<uint64_t*>(ring + Cfg::STAGES * Cfg::STAGE_BYTES);
+    empty = full + Cfg::STAGES;
+    resident_ready = empty + Cfg::STAGES;
+    tail = resident_ready + 1;
+    resident_free = tail + 1;
+    cut_scratch = ring + Cfg::STAGES * Cfg::STAGE_BYTES + 1024;
+  }
+  __device__ __forceinline__ uint8_t* stage_a(int s) const { return ring + s * Cfg::STAGE_BYTES; }
+  __device__ __forceinline__ uint8_t* stage_b(int s) const { return ring + s * Cfg::STAGE_BYTES + Cfg::TILE_BYTES; }
+  // By thread 0, then the CTA syncs; the resident barriers only where the producer loads the
+  // resident tiles (dK/dV: the consumers of dQ store theirs).
+  template <bool EXACT, bool RESIDENT_LOADED>
+  __device__ __forceinline__ void init_barriers() const {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < Cfg::STAGES; ++s) {
+        mbar_init(&full[s], 1);
+        mbar_init(&empty[s], Cfg::CONSUMERS * kStageReleaseArrivals<EXACT>);
+      }
+      if (RESIDENT_LOADED) mbar_init(resident_ready, 1);
+      mbar_init(tail, 1);
+      if (RESIDENT_LOADED) mbar_init(resident_free, Cfg::CONSUMERS);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+  }
+};
+
 // acc += A B over the 4 k16 chunks of a 64-row block in increasing k (A in registers, B the
 // MN-major tile at b_addr), issued and waited for.
 template <typename T, int D>
@@ -175,39 +216,32 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   const AttentionProblem& p = gp.fwd;
   extern __shared__ uint8_t smem_raw[];
   if (EXACT && *gp.fwd.status == 0) return;  // the fast kernels' gradients stand
-  uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
-  uint8_t* k_tile = smem;                                     // [consumer][64 keys][D]
-  uint8_t* v_tile = smem + Cfg::CONSUMERS * Cfg::TILE_BYTES;  // [consumer][64 keys][D]
-  uint8_t* ring = smem + Cfg::RESIDENT_BYTES;                 // stage: Q block, dO block
-  uint64_t* full = reinterpret_cast<uint64_t*>(ring + STAGES * Cfg::STAGE_BYTES);
-  uint64_t* empty = full + STAGES;
-  uint64_t* kv_ready = empty + STAGES;
-  uint64_t* tail = kv_ready + 1;
-  uint64_t* kv_free = tail + 1;
-  uint8_t* cut_scratch = ring + STAGES * Cfg::STAGE_BYTES + 1024;  // EXACT only
-  auto q_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
-  auto do_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES + Cfg::TILE_BYTES; };
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], Cfg::CONSUMERS * kStageReleaseArrivals<EXACT>);
-    }
-    mbar_init(kv_ready, 1);
-    mbar_init(tail, 1);
-    mbar_init(kv_free, Cfg::CONSUMERS);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  const BwdSmem<Cfg> sm(smem_raw);  // resident K, V; stages of Q, dO
+  uint8_t *k_tile = sm.resident_a, *v_tile = sm.resident_b;
+  uint64_t *kv_ready = sm.resident_ready, *kv_free = sm.resident_free;
+  auto q_stage = [&](int s) { return sm.stage_a(s); };
+  auto do_stage = [&](int s) { return sm.stage_b(s); };
+  sm.template init_barriers<EXACT, true>();
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
   const int kv_head = static_cast<int>(blockIdx.x);
+  // Key tile `tile` of a sequence, the same for both roles: keys key0 .. key0 + KEYS - 1, seen by
+  // the query blocks first_qb .. first_qb + q_blocks - 1 of each head (causal: none before).
+  struct KeyTile {
+    int key0, first_qb, q_blocks;
+  };
+  auto key_tile = [&](int tile, int q_len, int first_pos) {
+    const int key0 = tile * KEYS;
+    const int first_qb = p.causal && key0 > first_pos ? (key0 - first_pos) / kTileRows : 0;
+    return KeyTile{key0, first_qb, (q_len + kTileRows - 1) / kTileRows - first_qb};
+  };
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
     if (threadIdx.x >= 32) return;
     const int lane = static_cast<int>(threadIdx.x);
-    PairRingProducer<STAGES, Cfg::D_BOXES> qdo_ring{ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES, full, empty, tail};
+    PairRingProducer<STAGES, Cfg::D_BOXES> qdo_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
+                                                    sm.full, sm.empty, sm.tail};
     uint32_t kv_phase = 0;
     for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
       const AttentionSeq sq = attention_seq(p, s);
@@ -219,9 +253,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       q_at.coords(sq.q_base, 0, 0, q_c1, q_c2);
       kv_at.coords(sq.kv_base, 0, 0, kv_c1, kv_c2);
       for (int tile = static_cast<int>(blockIdx.z); tile < key_tiles; tile += static_cast<int>(gridDim.z)) {
-        const int key0 = tile * KEYS;
-        const int first_qb = p.causal && key0 > first_pos ? (key0 - first_pos) / kTileRows : 0;
-        const int q_blocks = (q_len + kTileRows - 1) / kTileRows - first_qb;
+        const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
         // K, V of the tile, once both consumers are done with the previous tile's (kv_free).
         mbar_wait(kv_free, kv_phase ^ 1);
         kv_phase ^= 1;
@@ -266,9 +298,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int first_pos = kv_len - q_len;
     const int key_tiles = (kv_len + KEYS - 1) / KEYS;
     for (int tile = static_cast<int>(blockIdx.z); tile < key_tiles; tile += static_cast<int>(gridDim.z)) {
-      const int key0 = tile * KEYS;
-      const int first_qb = p.causal && key0 > first_pos ? (key0 - first_pos) / kTileRows : 0;
-      const int q_blocks = (q_len + kTileRows - 1) / kTileRows - first_qb;
+      const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
       const int my_key0 = key0 + consumer * kTileRows;
       const int warp_key0 = my_key0 + warp * 16;
       float dk_acc[1][D / 8][4], dv_acc[1][D / 8][4];
@@ -285,7 +315,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       for (int it = 0; it < group * q_blocks; ++it) {
         const int head = kv_head * group + it / q_blocks;
         const int qstart = (first_qb + it % q_blocks) * kTileRows;
-        mbar_wait(&full[stage], phase);
+        mbar_wait(&sm.full[stage], phase);
         // A warpgroup whose keys all come after the block's last query (causal), or lie past
         // kv_len, would only add exact zeros / unused values: skipped (released only).
         const bool skip = my_key0 >= kv_len || (p.causal && my_key0 > first_pos + qstart + kTileRows - 1);
@@ -338,7 +368,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           // EXACT on the diagonal: key row r may use the chunk's queries from its own position on.
           const bool cuts = EXACT && p.causal && my_key0 + kTileRows - 1 > first_pos + qstart;
           auto by_cuts = [&](float (&acc)[D / 2], const uint32_t (&a)[4][4], const uint8_t* b_tile) {
-            uint8_t* scratch = cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
+            uint8_t* scratch = sm.cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
 #pragma unroll 1
             for (int kc = 0; kc < 4; ++kc) {
               int count[2];
@@ -388,7 +418,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             rs_block_product<T, D>(dk_flat, pa, q_addr);
           }
         }
-        release_and_advance<STAGES, EXACT>(empty, tid, stage, phase);
+        release_and_advance<STAGES, EXACT>(sm.empty, tid, stage, phase);
       }
 
       // Epilogue: keys below kv_len; dK = scale * acc and dV rounded once.
@@ -428,35 +458,31 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   const AttentionProblem& p = gp.fwd;
   extern __shared__ uint8_t smem_raw[];
   if (EXACT && *gp.fwd.status == 0) return;  // the fast kernels' gradients stand
-  uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
-  uint8_t* q_tile = smem;                                      // [consumer][64 rows][D]
-  uint8_t* do_tile = smem + Cfg::CONSUMERS * Cfg::TILE_BYTES;  // [consumer][64 rows][D]
-  uint8_t* ring = smem + Cfg::RESIDENT_BYTES;                  // stage: K block, V block
-  uint64_t* full = reinterpret_cast<uint64_t*>(ring + STAGES * Cfg::STAGE_BYTES);
-  uint64_t* empty = full + STAGES;
-  uint64_t* tail = empty + STAGES + 1;  // (the dK/dV kernel's resident barriers are unused here)
-  uint8_t* cut_scratch = ring + STAGES * Cfg::STAGE_BYTES + 1024;  // EXACT only
-  auto k_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
-  auto v_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES + Cfg::TILE_BYTES; };
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], Cfg::CONSUMERS * kStageReleaseArrivals<EXACT>);
-    }
-    mbar_init(tail, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  const BwdSmem<Cfg> sm(smem_raw);  // resident Q, dO; stages of K, V
+  uint8_t *q_tile = sm.resident_a, *do_tile = sm.resident_b;
+  auto k_stage = [&](int s) { return sm.stage_a(s); };
+  auto v_stage = [&](int s) { return sm.stage_b(s); };
+  sm.template init_barriers<EXACT, false>();
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
   const int kv_head = static_cast<int>(blockIdx.x);
+  // Visit `visit` of a sequence's row tiles (heaviest first), the same for both roles: rows
+  // row0 .. row0 + ROWS - 1 of its q_len * G, and the key blocks [0, num_blocks) its last row sees.
+  struct RowTile {
+    int row0, num_blocks;
+  };
+  auto row_tile = [&](int visit, int tiles, int rows, int kv_len, int first_pos) {
+    const int row0 = (tiles - 1 - visit) * ROWS;
+    const int last_pos = first_pos + ((row0 + ROWS < rows ? row0 + ROWS : rows) - 1) / group;
+    return RowTile{row0, p.causal ? last_pos / kTileRows + 1 : (kv_len + kTileRows - 1) / kTileRows};
+  };
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
     if (threadIdx.x >= 32) return;
     const int lane = static_cast<int>(threadIdx.x);
-    PairRingProducer<STAGES, Cfg::D_BOXES> kv_ring{ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES, full, empty, tail};
+    PairRingProducer<STAGES, Cfg::D_BOXES> kv_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
+                                                   sm.full, sm.empty, sm.tail};
     for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
       const AttentionSeq sq = attention_seq(p, s);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
@@ -466,9 +492,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       int kv_c1, kv_c2;
       kv_at.coords(sq.kv_base, kv_head, 0, kv_c1, kv_c2);
       for (int visit = static_cast<int>(blockIdx.z); visit < tiles; visit += static_cast<int>(gridDim.z)) {
-        const int row0 = (tiles - 1 - visit) * ROWS;
-        const int last_pos = first_pos + ((row0 + ROWS < rows ? row0 + ROWS : rows) - 1) / group;
-        const int num_blocks = p.causal ? last_pos / kTileRows + 1 : (kv_len + kTileRows - 1) / kTileRows;
+        const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
         for (int b = 0; b < num_blocks; ++b) {
           const int key0 = b * kTileRows;
           int c1, c2;
@@ -499,9 +523,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int rows = q_len * group, tiles = (rows + ROWS - 1) / ROWS;
     const int first_pos = kv_len - q_len;
     for (int visit = static_cast<int>(blockIdx.z); visit < tiles; visit += static_cast<int>(gridDim.z)) {
-      const int row0 = (tiles - 1 - visit) * ROWS;
-      const int last_pos = first_pos + ((row0 + ROWS < rows ? row0 + ROWS : rows) - 1) / group;
-      const int num_blocks = p.causal ? last_pos / kTileRows + 1 : (kv_len + kTileRows - 1) / kTileRows;
+      const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
       const int my_row0 = row0 + consumer * kTileRows;
       const bool active = my_row0 < rows;
       const int my_last_pos = first_pos + ((my_row0 + kTileRows < rows ? my_row0 + kTileRows : rows) - 1) / group;
@@ -548,7 +570,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       const int my_first_pos = first_pos + my_row0 / group;
 
       for (int b = 0; b < num_blocks; ++b) {
-        mbar_wait(&full[stage], phase);
+        mbar_wait(&sm.full[stage], phase);
         if (b < my_end) {
           const int key0 = b * kTileRows;
           const uint32_t k_addr = smem_addr(k_stage(stage)), v_addr = smem_addr(v_stage(stage));
@@ -598,7 +620,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           for (int kc = 0; kc < 4; ++kc) c_to_a<T>(dsa[kc], ds[0][2 * kc], ds[0][2 * kc + 1]);
           if (EXACT && p.causal && key0 + kTileRows - 1 > my_first_pos) {
             // Query row r may use the chunk's keys up to its own position.
-            uint8_t* scratch = cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
+            uint8_t* scratch = sm.cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
 #pragma unroll 1
             for (int kc = 0; kc < 4; ++kc) {
               int count[2];
@@ -620,7 +642,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             rs_block_product<T, D>(dq_flat, dsa, k_addr);
           }
         }
-        release_and_advance<STAGES, EXACT>(empty, tid, stage, phase);
+        release_and_advance<STAGES, EXACT>(sm.empty, tid, stage, phase);
       }
       if (!active) continue;
 

@@ -196,6 +196,152 @@ struct KvRingProducer {
     }
   }
 };
+
+// MERGE: at the first block b of split c >= 1, a consumer warp's rows warp_row0.. (those < rows)
+// that reach it fold the finished partial of split c - 1 into their merged state in the workspace
+// (the first is stored as it is) and restart from a fresh state; rows that end earlier keep theirs
+// (sm80_fwd.cu's fold).
+template <int D>
+__device__ __forceinline__ void fold_split(int b, float (&acc)[1][D / 8][4], float (&row_max)[1][2],
+                                           float (&row_sum)[1][2], const int (&row_last_key)[1][2],
+                                           const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                                           const AttentionSeq& sq, int kv_head, int rows, int group, int warp_row0,
+                                           int lane) {
+  const int g = lane / 4, t = lane % 4;
+  const int key0 = b * kKvBlock;
+  const bool first = b == kSplitBlocks;
+  bool reach[2];
+  int64_t ws_row[2];
+  float ws_m[2], ws_l[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = warp_row0 + 8 * hh + g;
+    reach[hh] = row < rows && row_last_key[0][hh] >= key0;
+    ws_row[hh] = sq.lse_base + (static_cast<int64_t>(kv_head) * group + row % group) * p.lse_stride_head + row / group;
+    ws_m[hh] = reach[hh] && !first ? w.ml[2 * ws_row[hh]] : 0.f;
+    ws_l[hh] = reach[hh] && !first ? w.ml[2 * ws_row[hh] + 1] : 0.f;
+  }
+  __syncwarp();  // the row's 4 lanes read its state before lane t = 0 rewrites it
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (!reach[hh]) continue;
+    float m = row_max[0][hh], l = row_sum[0][hh];
+    SplitMergeWeights wt{1.f, 1.f};
+    if (!first) {
+      m = ws_m[hh];
+      l = ws_l[hh];
+      wt = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
+    }
+    if (t == 0) {
+      w.ml[2 * ws_row[hh]] = m;
+      w.ml[2 * ws_row[hh] + 1] = l;
+    }
+    float* wa = w.acc + ws_row[hh] * D + 2 * t;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      float2 cur = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
+      if (!first) {
+        const float2 prev = *reinterpret_cast<const float2*>(wa + dn * 8);
+        cur = make_float2(merge_elem(prev.x, cur.x, wt), merge_elem(prev.y, cur.y, wt));
+      }
+      *reinterpret_cast<float2*>(wa + dn * 8) = cur;
+      acc[0][dn][2 * hh] = 0.f;
+      acc[0][dn][2 * hh + 1] = 0.f;
+    }
+    row_max[0][hh] = -INFINITY;
+    row_sum[0][hh] = 0.f;
+  }
+}
+
+// EXACT: acc += P V of the key block key0.. whose V tile is at v_tile, by cuts
+// (rs_product_by_cuts, scratch and named barrier `bar` the consumer's own); a row's allowed keys
+// end at row_last_key.
+template <typename T, int D>
+__device__ __forceinline__ void pv_by_cuts(float (&acc_flat)[D / 2], const uint32_t (&pa)[kKvBlock / 16][4],
+                                           const int (&row_last_key)[1][2], const uint8_t* v_tile, uint8_t* scratch,
+                                           int key0, int tid, int bar) {
+#pragma unroll 1
+  for (int kc = 0; kc < kKvBlock / 16; ++kc) {
+    int count[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int c = row_last_key[0][hh] - (key0 + 16 * kc) + 1;
+      count[hh] = c < 0 ? 0 : c > 16 ? 16 : c;
+    }
+    uint32_t a[4] = {pa[0][0], pa[0][1], pa[0][2], pa[0][3]};  // pa[kc] (a runtime index: local memory)
+#pragma unroll
+    for (int c = 1; c < kKvBlock / 16; ++c) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = c == kc ? pa[c][r] : a[r];
+    }
+    rs_product_by_cuts<T, D, true>(acc_flat, a, v_tile + 16 * kc * 128, kBoxBytes, scratch, count, tid, bar);
+  }
+}
+
+// The epilogue of a consumer warp's 16 rows warp_row0.. (rows < q_len * G of the tile's sequence
+// and kv head): out = acc * (1 / l) rounded once, lse by lane t = 0; a row past its first split
+// merges its last partial into the earlier ones' state (MERGE) or, PER_SPLIT with several splits,
+// leaves this split's partial for the combine kernel. A non-finite result sets the status word.
+template <typename T, int D, SplitMode MODE, bool EXACT>
+__device__ __forceinline__ void fwd_epilogue(const float (&acc)[1][D / 8][4], const float (&row_max)[1][2],
+                                             const float (&row_sum)[1][2], const int (&row_last_key)[1][2], T* out,
+                                             const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                                             const AttentionSeq& sq, int kv_head, int split, int rows, int group,
+                                             int warp_row0, int lane) {
+  constexpr bool MERGE = MODE == SplitMode::kMerge, PER_SPLIT = MODE == SplitMode::kPerSplit;
+  const int g = lane / 4, t = lane % 4;
+  bool nonfinite = false;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = warp_row0 + 8 * hh + g;
+    if (row >= rows) continue;
+    const int64_t i = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
+    const int64_t lse_at = sq.lse_base + h * p.lse_stride_head + i;
+    float m = row_max[0][hh], l = row_sum[0][hh];
+    if constexpr (PER_SPLIT) {
+      // A row with several splits leaves this split's partial for the combine kernel.
+      const int row_splits = row_last_key[0][hh] / static_cast<int>(kAttentionKvSplit) + 1;
+      if (split >= row_splits) continue;
+      if (row_splits > 1) {
+        const int64_t slot = lse_at * w.slots + split;
+        if (t == 0) *reinterpret_cast<float2*>(w.ml + 2 * slot) = make_float2(m, l);
+        float* wa = w.acc + slot * D + 2 * t;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+          const float2 a = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
+          nonfinite = nonfinite || !isfinite(a.x) || !isfinite(a.y);
+          *reinterpret_cast<float2*>(wa + dn * 8) = a;
+        }
+        continue;
+      }
+    }
+    const bool merged = MERGE && row_last_key[0][hh] >= static_cast<int>(kAttentionKvSplit);
+    SplitMergeWeights wt{1.f, 1.f};
+    if (merged) {
+      m = w.ml[2 * lse_at];
+      l = w.ml[2 * lse_at + 1];
+      wt = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
+    }
+    const float inv_l = reciprocal(l);
+    T* out_row = out + sq.q_base + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
+    const float* wa = w.acc + lse_at * D + 2 * t;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      float a0 = acc[0][dn][2 * hh], a1 = acc[0][dn][2 * hh + 1];
+      if (merged) {
+        const float2 prev = *reinterpret_cast<const float2*>(wa + dn * 8);
+        a0 = merge_elem(prev.x, a0, wt);
+        a1 = merge_elem(prev.y, a1, wt);
+      }
+      nonfinite = nonfinite || !isfinite(a0) || !isfinite(a1);
+      *reinterpret_cast<uint32_t*>(out_row + dn * 8) = pack_rounded<T>(__fmul_rn(a0, inv_l), __fmul_rn(a1, inv_l));
+    }
+    if (t == 0) p.lse[lse_at] = final_lse(m, l);
+  }
+  if (!EXACT && w.masked_nonfinite != nullptr && __any_sync(0xffffffffu, nonfinite) && lane == 0) {
+    *w.masked_nonfinite = 1;
+  }
+}
 #endif  // RL_ALIGN_SM90A_DEVICE
 
 template <typename T, typename Cfg, bool SCALE_NONNEG, SplitMode MODE, bool EXACT>
@@ -424,55 +570,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
 #pragma unroll
         for (int kc = 0; kc < Cfg::KEY_STEPS; ++kc) c_to_a<T>(pa[kc], score[0][2 * kc], score[0][2 * kc + 1]);
       };
-      // MERGE: at the first block of split c >= 1, rows that reach it fold the finished partial of
-      // split c - 1 into their merged state in the workspace (the first is stored as it is) and
-      // restart from a fresh state; rows that end earlier keep theirs (sm80_fwd.cu's fold).
-      auto fold_split = [&](int b) {
-        const int key0 = b * kKvBlock;
-        const bool first = b == kSplitBlocks;
-        bool reach[2];
-        int64_t ws_row[2];
-        float ws_m[2], ws_l[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = warp_row0 + 8 * hh + g;
-          reach[hh] = row < rows && row_last_key[0][hh] >= key0;
-          ws_row[hh] = sq.lse_base + (static_cast<int64_t>(kv_head) * group + row % group) * p.lse_stride_head + row / group;
-          ws_m[hh] = reach[hh] && !first ? w.ml[2 * ws_row[hh]] : 0.f;
-          ws_l[hh] = reach[hh] && !first ? w.ml[2 * ws_row[hh] + 1] : 0.f;
-        }
-        __syncwarp();  // the row's 4 lanes read its state before lane t = 0 rewrites it
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          if (!reach[hh]) continue;
-          float m = row_max[0][hh], l = row_sum[0][hh];
-          SplitMergeWeights wt{1.f, 1.f};
-          if (!first) {
-            m = ws_m[hh];
-            l = ws_l[hh];
-            wt = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
-          }
-          if (t == 0) {
-            w.ml[2 * ws_row[hh]] = m;
-            w.ml[2 * ws_row[hh] + 1] = l;
-          }
-          float* wa = w.acc + ws_row[hh] * D + 2 * t;
-#pragma unroll
-          for (int dn = 0; dn < D / 8; ++dn) {
-            float2 cur = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
-            if (!first) {
-              const float2 prev = *reinterpret_cast<const float2*>(wa + dn * 8);
-              cur = make_float2(merge_elem(prev.x, cur.x, wt), merge_elem(prev.y, cur.y, wt));
-            }
-            *reinterpret_cast<float2*>(wa + dn * 8) = cur;
-            acc[0][dn][2 * hh] = 0.f;
-            acc[0][dn][2 * hh + 1] = 0.f;
-          }
-          row_max[0][hh] = -INFINITY;
-          row_sum[0][hh] = 0.f;
-        }
-      };
-
       // The pipeline, in straight-line segments (a wgmma or a read of its registers under a
       // branch the compiler cannot prove finished makes ptxas serialize every wgmma, C7514):
       //   block b_begin: S; the recurrence.
@@ -483,29 +580,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       //   then P V of the last block; then the skipped blocks, waited for and released.
       // Each block and the final P V is one ping-pong turn for both consumers (b_end - b_begin + 1),
       // skipped blocks included, so the turns pair up.
-      // EXACT: P V of the block in stage st by cuts (rs_product_by_cuts); a row's allowed keys end
-      // at row_last_key.
-      auto pv_by_cuts = [&](int st, int key0) {
-        uint8_t* scratch = cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
-#pragma unroll 1
-        for (int kc = 0; kc < Cfg::KEY_STEPS; ++kc) {
-          int count[2];
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int c = row_last_key[0][hh] - (key0 + 16 * kc) + 1;
-            count[hh] = c < 0 ? 0 : c > 16 ? 16 : c;
-          }
-          uint32_t a[4] = {pa[0][0], pa[0][1], pa[0][2], pa[0][3]};  // pa[kc] (a runtime index: local memory)
-#pragma unroll
-          for (int c = 1; c < Cfg::KEY_STEPS; ++c) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) a[r] = c == kc ? pa[c][r] : a[r];
-          }
-          rs_product_by_cuts<T, D, true>(acc_flat, a, v_stage(st) + 16 * kc * 128, kBoxBytes, scratch, count, tid,
-                                         kConsumerBar + consumer);
-        }
-      };
-
       int prev_stage = stage;
       uint32_t prev_phase = phase;
       auto step_scores_and_pv = [&](bool with_pv) {
@@ -534,12 +608,15 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
             wgmma_commit();
             wgmma_wait<0>();
             fence_accumulators(score_flat);
-            if (MERGE && b > 0 && b % kSplitBlocks == 0) fold_split(b);
+            if (MERGE && b > 0 && b % kSplitBlocks == 0) {
+              fold_split<D>(b, acc, row_max, row_sum, row_last_key, p, w, sq, kv_head, rows, group, warp_row0, lane);
+            }
             if (softmax(b)) rescale_acc();
             to_p();
             const int key0 = b * kKvBlock;
             if (key0 + kKvBlock > kv_len || (p.causal && key0 + kKvBlock - 1 > my_first_pos)) {
-              pv_by_cuts(stage, key0);
+              pv_by_cuts<T, D>(acc_flat, pa, row_last_key, v_stage(stage),
+                               cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes, key0, tid, kConsumerBar + consumer);
             } else {
               wgmma_fence();
               issue_pv(stage);
@@ -568,7 +645,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
             fence_accumulators(score_flat);
             fence_accumulators(acc_flat);
             release(prev_stage);
-            fold_split(b);
+            fold_split<D>(b, acc, row_max, row_sum, row_last_key, p, w, sq, kv_head, rows, group, warp_row0, lane);
             if (softmax(b)) rescale_acc();
           } else {
             wgmma_wait<1>();  // S done; P V of b - 1 may still run (pa is rewritten only after it)
@@ -611,59 +688,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       }
       if (!active) continue;
 
-      // Epilogue: rows < q_len * G. out = acc * (1 / l) rounded once, lse by lane t = 0; a row
-      // past its first split merges its last partial into the earlier ones' state.
-      bool nonfinite = false;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = warp_row0 + 8 * hh + g;
-        if (row >= rows) continue;
-        const int64_t i = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
-        const int64_t lse_at = sq.lse_base + h * p.lse_stride_head + i;
-        float m = row_max[0][hh], l = row_sum[0][hh];
-        if constexpr (PER_SPLIT) {
-          // A row with several splits leaves this split's partial for the combine kernel.
-          const int row_splits = row_last_key[0][hh] / static_cast<int>(kAttentionKvSplit) + 1;
-          if (split >= row_splits) continue;
-          if (row_splits > 1) {
-            const int64_t slot = lse_at * w.slots + split;
-            if (t == 0) *reinterpret_cast<float2*>(w.ml + 2 * slot) = make_float2(m, l);
-            float* wa = w.acc + slot * D + 2 * t;
-#pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-              const float2 a = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
-              nonfinite = nonfinite || !isfinite(a.x) || !isfinite(a.y);
-              *reinterpret_cast<float2*>(wa + dn * 8) = a;
-            }
-            continue;
-          }
-        }
-        const bool merged = MERGE && row_last_key[0][hh] >= static_cast<int>(kAttentionKvSplit);
-        SplitMergeWeights wt{1.f, 1.f};
-        if (merged) {
-          m = w.ml[2 * lse_at];
-          l = w.ml[2 * lse_at + 1];
-          wt = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
-        }
-        const float inv_l = reciprocal(l);
-        T* out_row = out + sq.q_base + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
-        const float* wa = w.acc + lse_at * D + 2 * t;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-          float a0 = acc[0][dn][2 * hh], a1 = acc[0][dn][2 * hh + 1];
-          if (merged) {
-            const float2 prev = *reinterpret_cast<const float2*>(wa + dn * 8);
-            a0 = merge_elem(prev.x, a0, wt);
-            a1 = merge_elem(prev.y, a1, wt);
-          }
-          nonfinite = nonfinite || !isfinite(a0) || !isfinite(a1);
-          *reinterpret_cast<uint32_t*>(out_row + dn * 8) = pack_rounded<T>(__fmul_rn(a0, inv_l), __fmul_rn(a1, inv_l));
-        }
-        if (t == 0) p.lse[lse_at] = final_lse(m, l);
-      }
-      if (!EXACT && w.masked_nonfinite != nullptr && __any_sync(0xffffffffu, nonfinite) && lane == 0) {
-        *w.masked_nonfinite = 1;
-      }
+      // ------------------------------------------------------------------ epilogue
+      fwd_epilogue<T, D, MODE, EXACT>(acc, row_max, row_sum, row_last_key, out, p, w, sq, kv_head, split, rows, group,
+                                       warp_row0, lane);
     }
   }
 #endif  // RL_ALIGN_SM90A_DEVICE
