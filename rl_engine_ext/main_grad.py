@@ -79,6 +79,9 @@ _VIEW_ALIGNMENT = 128
 # a graph compiled before the buffers existed (or after they went) is recompiled, whether or not the
 # torch version guards on an attribute added to a Parameter. A main_grad attached by hand (as a
 # framework does) is honoured while a handle is live: fp32_grad_accumulation(nn.Module()) gives one.
+# The guard is the count (a "some handle is live" flag would not recompile a graph compiled while
+# another handle was live, and torch 2.11 does not guard on the new attribute): revert the handles
+# you drop, since more than 8 live at once pass torch's recompile limit for a compiled model.
 _ACCUMULATING = [0]
 
 

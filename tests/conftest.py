@@ -44,6 +44,27 @@ def _one_process_at_a_time(name: str):
 
 
 @pytest.fixture(autouse=True)
+def _fp32_grad_accumulation_reverted(monkeypatch):
+    """Every fp32_grad_accumulation handle a test creates is reverted when it ends. torch.compile
+    guards on the number of live handles (rl_engine_ext/main_grad.py), so handles a test drops
+    unreverted would pile up in a pytest-xdist worker until a later compiled test passes torch's
+    recompile limit (8), as a process holding many live handles would."""
+    import rl_engine_ext
+
+    handles = []
+    create = rl_engine_ext.fp32_grad_accumulation
+
+    def tracked(*args, **kwargs):
+        handles.append(create(*args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(rl_engine_ext, "fp32_grad_accumulation", tracked)
+    yield
+    for handle in handles:
+        handle.revert()
+
+
+@pytest.fixture(autouse=True)
 def _gpu_memory_discipline(request):
     """pytest-xdist workers (``pytest -n N``) share the one GPU, and a process's cached allocations
     starve the others: the CUDA tests marked gpu_memory_heavy (tens of GB each) take a lock shared by
