@@ -36,10 +36,10 @@ std::string attention_sm90_layout_problem(const AttentionProblem& p, bool backwa
   OperandMap at;
   const char* why = nullptr;
   if (backward) {
-    why = operand_map_problem(p.q_stride_token, p.q_stride_head, p.heads_q, p.q_elements, p.q_stride_outer, &at);
+    why = q_map_problem(p, &at);
     if (why != nullptr) return std::string("q's and dout's layout: ") + why;
   }
-  why = operand_map_problem(p.kv_stride_token, p.kv_stride_head, p.heads_kv, p.kv_elements, p.kv_stride_outer, &at);
+  why = kv_map_problem(p, &at);
   if (why != nullptr) return std::string("k's and v's layout: ") + why;
   return std::string();
 #endif

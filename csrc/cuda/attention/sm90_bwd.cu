@@ -718,8 +718,8 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Operand
 }  // namespace
 
 // Problem requirements: the sm80 backward's (attention_bwd_sm80), a status word, and Q, dO, K and V
-// addressable through tensor maps (operand_mappable: the launcher sends other layouts to the sm80
-// path, attention_sm90_layout_problem); cudaErrorInvalidValue otherwise.
+// addressable through tensor maps (q_map_problem, kv_map_problem: the launcher sends other layouts
+// to the sm80 path, attention_sm90_layout_problem); cudaErrorInvalidValue otherwise.
 gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& gp, gpuStream_t stream) {
   const AttentionProblem& p = gp.fwd;
   const gpuError_t err = tensor_core_attention_problem_error(dtype, p, p.heads_q);  // delta grid y: query heads
@@ -727,8 +727,7 @@ gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& gp, gpuSt
   OperandMap q_at, kv_at;
   if (gp.delta == nullptr || p.status == nullptr || !aligned16(gp.dout) || !aligned16(gp.dq) || !aligned16(gp.dk) ||
       !aligned16(gp.dv) ||
-      !operand_mappable(p.q_stride_token, p.q_stride_head, p.heads_q, p.q_elements, p.q_stride_outer, &q_at) ||
-      !operand_mappable(p.kv_stride_token, p.kv_stride_head, p.heads_kv, p.kv_elements, p.kv_stride_outer, &kv_at)) {
+      q_map_problem(p, &q_at) != nullptr || kv_map_problem(p, &kv_at) != nullptr) {
     return cudaErrorInvalidValue;
   }
   return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(

@@ -84,12 +84,15 @@ inline const char* operand_map_problem(int64_t stride_token, int64_t stride_head
   if (elements / inner > INT32_MAX) return "its rows exceed a tensor map's int coordinates";
   return nullptr;
 }
-inline bool operand_mappable(int64_t stride_token, int64_t stride_head, int64_t heads, int64_t elements,
-                             int64_t stride_outer, OperandMap* info) {
-  return operand_map_problem(stride_token, stride_head, heads, elements, stride_outer, info) == nullptr;
+// The two operand groups of a problem: Q (and dO, laid out as Q) and K/V (K and V share strides).
+inline const char* q_map_problem(const AttentionProblem& p, OperandMap* info) {
+  return operand_map_problem(p.q_stride_token, p.q_stride_head, p.heads_q, p.q_elements, p.q_stride_outer, info);
+}
+inline const char* kv_map_problem(const AttentionProblem& p, OperandMap* info) {
+  return operand_map_problem(p.kv_stride_token, p.kv_stride_head, p.heads_kv, p.kv_elements, p.kv_stride_outer, info);
 }
 
-// The tensor map of an operand `info` describes (operand_mappable), in boxes of 64 x 64.
+// The tensor map of an operand `info` describes (operand_map_problem), in boxes of 64 x 64.
 inline bool encode_operand_map(CUtensorMap* map, const OperandMap& info, DType dtype, const void* ptr,
                                int64_t head_dim, int64_t elements) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();

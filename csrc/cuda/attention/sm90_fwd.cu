@@ -806,7 +806,7 @@ bool attention_sm90_compiled_for(int device) {
 }
 
 // Problem requirements: tensor_core_attention_problem_error and tensor_core_workspace_ok
-// (tensor_core.h), and K and V addressable through tensor maps (operand_mappable: the launcher
+// (tensor_core.h), and K and V addressable through tensor maps (kv_map_problem: the launcher
 // sends other layouts to the sm80 path, attention_sm90_layout_problem); cudaErrorInvalidValue
 // otherwise.
 gpuError_t attention_fwd_sm90(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
@@ -814,8 +814,7 @@ gpuError_t attention_fwd_sm90(DType dtype, const AttentionProblem& p, const Atte
   const gpuError_t err = tensor_core_attention_problem_error(dtype, p, 1);  // a 1-D grid
   if (err != cudaSuccess || p.num_seqs == 0 || p.max_q_len == 0) return err;
   OperandMap kv_at;
-  if (!tensor_core_workspace_ok(p, w) ||
-      !operand_mappable(p.kv_stride_token, p.kv_stride_head, p.heads_kv, p.kv_elements, p.kv_stride_outer, &kv_at)) {
+  if (!tensor_core_workspace_ok(p, w) || kv_map_problem(p, &kv_at) != nullptr) {
     return cudaErrorInvalidValue;
   }
   return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
