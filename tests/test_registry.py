@@ -30,7 +30,15 @@ def _op(name: str):
 
 
 def _map_tensors(args, fn):
-    return tuple(fn(a) if isinstance(a, torch.Tensor) else a for a in args)
+    """fn on every tensor argument, and on each tensor of a Tensor[] argument (rank_sum's parts)."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return fn(a)
+        if isinstance(a, list) and a and all(isinstance(t, torch.Tensor) for t in a):
+            return [fn(t) for t in a]
+        return a
+
+    return tuple(one(a) for a in args)
 
 
 def _detached(args):

@@ -1,0 +1,467 @@
+"""Invariant collectives: sums across ranks whose bits do not depend on the message size, the
+batch composition or the algorithm, on torch.distributed (NCCL on GPUs, gloo on CPU).
+
+NCCL picks its algorithm, protocol and channel count from the message size, so the same values
+summed in a decode-sized and a prefill-sized message round differently (measured at 4 x H100:
+14% of a bf16 all-reduce's elements change between an 8K- and a 256K-element message). Here every
+element is summed by ``rank_sum`` (rl_engine_ext/ops/rank_sum.py) over one fixed binary tree of
+the ranks' values in rank order, ((r0 + r1) + (r2 + r3)) ..., in fp32, rounded once to the
+tensor's dtype; the collectives only move values (exact copies), so whichever algorithm moved them
+the sum is the same:
+
+    algorithm  moves                                                   where
+    gather     all_gather of every rank's tensor, each rank sums all   any backend (all_reduce)
+    scatter    all_to_all: each rank gets its 1/W slice from every      any backend
+               rank and sums it; all_reduce then all_gathers the slices
+    one_shot   symmetric memory: each rank reads every peer's tensor    CUDA, one host (all_reduce)
+               over NVLink (peer-to-peer loads) and sums all of it
+    two_shot   symmetric memory: each rank reads its slice from every   CUDA, one host
+               peer and sums it; all_reduce then reads the peers'
+               summed slices
+
+``algorithm="auto"`` (the default; ``RL_ENGINE_EXT_DIST_ALGORITHM`` forces one) picks by backend and
+message size (thresholds measured on H100s: benchmarks/bench_distributed.py). The functions have
+torch.distributed's signatures (plus keyword-only ``algorithm`` and ``validate``), so a caller can
+swap the module: ``all_reduce(tensor, op, group, async_op)`` in place, ``reduce_scatter_tensor(output,
+input, op, group, async_op)``, ``all_gather_into_tensor(output, input, group, async_op)``. op: SUM or
+AVG (the fp32 sum divided by the group size before the one rounding); MAX and MIN are exact in any
+order and go to torch.distributed as they are. async_op=True returns a completed Work: the
+collective is already ordered on the current stream, as torch's synchronous collectives are.
+
+Checks: bf16 / fp16 / fp32, contiguous tensors, matching sizes; a group of at most
+RANK_SUM_MAX_PARTS (64) ranks (any size, not only powers of two: the tree carries an odd rank up).
+Ranks passing different shapes or dtypes make torch's own collectives hang or fail late, so with
+``validate`` (default: on for CPU tensors, where it costs a gloo round trip; off for CUDA tensors,
+where it would cost a host synchronisation per call; ``RL_ENGINE_EXT_DIST_VALIDATE=1`` turns it on)
+the ranks first exchange (numel, dtype, op) and every rank raises the same ValueError on a mismatch.
+
+NVLink multicast is never used (no multimem instructions, no cuMulticast): the symmetric-memory
+paths read peers with ordinary loads.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from .ops.rank_sum import RANK_SUM_MAX_PARTS, rank_sum
+
+ALGORITHMS = ("gather", "scatter", "one_shot", "two_shot")
+ALGORITHM_ENV = "RL_ENGINE_EXT_DIST_ALGORITHM"
+VALIDATE_ENV = "RL_ENGINE_EXT_DIST_VALIDATE"
+SYMMETRIC_MEMORY_ENV = "RL_ENGINE_EXT_DIST_SYMMETRIC_MEMORY"  # "0": never use symmetric memory
+
+# auto's thresholds, in bytes of the message (the tensor all_reduce sums, the input of
+# reduce_scatter), from benchmarks/bench_distributed.py on H100s (docs/perf/distributed.md).
+GATHER_MAX_BYTES = 64 * 1024  # portable all_reduce: gather up to here, scatter above
+ONE_SHOT_MAX_BYTES = 1024 * 1024  # symmetric memory all_reduce: one_shot up to here, two_shot above
+SYMMETRIC_MEMORY_MAX_BYTES = 256 * 1024 * 1024  # larger messages go through torch.distributed (scatter)
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _fail(fn: str, message: str) -> ValueError:
+    return ValueError(f"rl_engine_ext.distributed.{fn}: {message}")
+
+
+class _Done:
+    """The Work of a collective already enqueued on the current stream (async_op=True)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def _done(async_op: bool):
+    return _Done() if async_op else None
+
+
+def _group(group) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError("rl_engine_ext.distributed: torch.distributed is not initialised "
+                           "(call torch.distributed.init_process_group first)")
+    return group if group is not None else dist.group.WORLD
+
+
+def _divisor(fn: str, op, world: int) -> float | None:
+    if op == ReduceOp.SUM:
+        return None
+    if op == ReduceOp.AVG:
+        return float(world)
+    raise _fail(fn, f"op {op} is not supported: SUM or AVG (MAX and MIN go to torch.distributed as they are; "
+                    "for FSDP2's PREMUL_SUM call set_force_sum_reduction_for_comms(True) on the module)")
+
+
+def _check_tensor(fn: str, name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"rl_engine_ext.distributed.{fn}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise _fail(fn, f"unsupported dtype {t.dtype} for {name} (supported: torch.bfloat16, torch.float16, torch.float32)")
+    if not t.is_contiguous():
+        raise _fail(fn, f"{name} must be contiguous (as torch.distributed's collectives require)")
+
+
+def _check_group_size(fn: str, world: int) -> None:
+    if world > RANK_SUM_MAX_PARTS:
+        raise _fail(fn, f"groups of at most {RANK_SUM_MAX_PARTS} ranks, got {world}")
+
+
+def _validate(fn: str, group, t: torch.Tensor, numel: int, op_code: int, validate: bool | None) -> None:
+    """Every rank raises the same error if the ranks' (numel, dtype, op) differ."""
+    if validate is None:
+        validate = t.device.type == "cpu" or os.environ.get(VALIDATE_ENV, "") not in ("", "0")
+    if not validate:
+        return
+    world = dist.get_world_size(group)
+    mine = torch.tensor([numel, _DTYPE_CODES[t.dtype], op_code], dtype=torch.int64, device=t.device)
+    every = torch.empty(world * 3, dtype=torch.int64, device=t.device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    rows = every.view(world, 3).tolist()
+    if any(row != rows[0] for row in rows):
+        names = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+        seen = ", ".join(f"rank {r}: {row[0]} elements of {names.get(row[1], row[1])}, op {row[2]}" for r, row in enumerate(rows))
+        raise _fail(fn, f"the ranks disagree on the message ({seen})")
+
+
+def _op_code(op) -> int:
+    return 0 if op == ReduceOp.SUM else 1
+
+
+def _algorithm(fn: str, requested: str | None, allowed: tuple[str, ...]) -> str | None:
+    """The algorithm asked for (argument, else environment), or None for auto."""
+    name = requested if requested is not None else os.environ.get(ALGORITHM_ENV, "")
+    if name in ("", "auto"):
+        return None
+    if name not in allowed:
+        raise _fail(fn, f"algorithm must be one of auto, {', '.join(allowed)}; got {name!r}")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Symmetric memory (CUDA, one host): a workspace per (group, device)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Workspace:
+    """Three regions of ``region_bytes`` in every rank's symmetric buffer: two input regions used
+    in turn (call k writes input k % 2: a peer still reading call k-1's input reads the other, and
+    has finished call k-2's before it entered call k-1's barrier, so one barrier per one-shot call
+    suffices) and one result region (two_shot's summed slices: written after the call's first
+    barrier, when every peer has finished reading the previous call's)."""
+
+    handle: object
+    buffer: torch.Tensor
+    region_bytes: int
+    world: int
+    rank: int
+    calls: int = 0
+
+    def views(self, region: int, offset: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's [numel] view of ``region`` from element ``offset``, in rank order."""
+        start = (region * self.region_bytes) // dtype.itemsize + offset
+        return [self.handle.get_buffer(r, (numel,), dtype, start) for r in range(self.world)]
+
+    def barrier(self) -> None:
+        self.handle.barrier(channel=0)
+
+
+_WORKSPACES: dict[tuple[str, int], _Workspace] = {}
+_SYMMETRIC_OK: dict[str, bool] = {}
+
+
+def _symmetric_memory_usable(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
+    """CUDA tensors of a group whose ranks share one host, with torch's symmetric memory. The same
+    answer on every rank (decided from gathered host names), so no rank takes a path the others
+    do not; computed once per group (its first CUDA call is collective)."""
+    if t.device.type != "cuda" or os.environ.get(SYMMETRIC_MEMORY_ENV, "") == "0":
+        return False
+    name = group.group_name
+    if name not in _SYMMETRIC_OK:
+        hosts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        ok = len(set(hosts)) == 1 and "nccl" in str(dist.get_backend(group))
+        if ok:
+            try:
+                import torch.distributed._symmetric_memory  # noqa: F401
+            except ImportError:
+                ok = False
+        _SYMMETRIC_OK[name] = ok
+    return _SYMMETRIC_OK[name]
+
+
+def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _Workspace:
+    """The group's workspace with regions of at least ``nbytes`` (a collective when it grows: every
+    rank grows it in the same call, since every rank passes the same message)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    key = (group.group_name, device.index)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.region_bytes < nbytes:
+        region = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+        if ws is not None:
+            region = max(region, ws.region_bytes * 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(key[0]):
+                symm_mem.enable_symm_mem_for_group(key[0])
+        buffer = symm_mem.empty(3 * region, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buffer, key[0])
+        ws = _Workspace(handle, buffer, region, dist.get_world_size(group), dist.get_rank(group))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def _slice(numel: int, world: int) -> int:
+    """Elements of each rank's slice: numel split in W slices of 16-byte multiples (the last
+    shorter or empty)."""
+    return -(-numel // (world * 8)) * 8
+
+
+def _one_shot_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> None:
+    ws = _workspace(group, tensor.device, tensor.numel() * tensor.element_size())
+    region = ws.calls % 2
+    ws.calls += 1
+    flat = tensor.view(-1)
+    views = ws.views(region, 0, flat.numel(), tensor.dtype)
+    views[ws.rank].copy_(flat)
+    ws.barrier()
+    flat.copy_(rank_sum(views, divisor))
+
+
+def _two_shot(group, flat_in: torch.Tensor, divisor: float | None, out: torch.Tensor, gather: bool) -> None:
+    """Shot 1: every rank sums its slice of the W inputs (read from the peers) into its result
+    region; shot 2 (gather): every rank reads the W summed slices into ``out``. Without gather
+    (reduce_scatter) ``out`` is this rank's slice and flat_in holds W slices of out.numel()."""
+    world = dist.get_world_size(group)
+    numel = flat_in.numel()
+    chunk = out.numel() if not gather else _slice(numel, world)
+    ws = _workspace(group, flat_in.device, max(numel, chunk * world) * flat_in.element_size())
+    region = ws.calls % 2
+    ws.calls += 1
+    dtype = flat_in.dtype
+    ws.views(region, 0, numel, dtype)[ws.rank].copy_(flat_in)
+    ws.barrier()
+    lo = min(ws.rank * chunk, numel)
+    hi = min(lo + chunk, numel)
+    mine = rank_sum(ws.views(region, lo, hi - lo, dtype), divisor) if hi > lo else None
+    if not gather:
+        if mine is not None:
+            out.view(-1).copy_(mine)
+        return
+    if mine is not None:
+        ws.views(2, lo, hi - lo, dtype)[ws.rank].copy_(mine)
+    ws.barrier()
+    flat_out = out.view(-1)
+    for r in range(world):
+        a, b = min(r * chunk, numel), min(r * chunk + chunk, numel)
+        if b > a:
+            flat_out[a:b].copy_(ws.views(2, a, b - a, dtype)[r])
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed paths (any backend)
+# ---------------------------------------------------------------------------------------------
+
+
+def _gather_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> None:
+    world = dist.get_world_size(group)
+    flat = tensor.view(-1)
+    every = torch.empty(world * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(every, flat, group=group)
+    flat.copy_(rank_sum(list(every.view(world, -1).unbind(0)), divisor))
+
+
+def _scatter_sum(group, flat_in: torch.Tensor, chunk: int, divisor: float | None) -> torch.Tensor:
+    """all_to_all of W slices of ``chunk`` elements (flat_in padded to W * chunk), then this
+    rank's slice summed over the ranks."""
+    world = dist.get_world_size(group)
+    if flat_in.numel() != world * chunk:
+        padded = flat_in.new_zeros(world * chunk)
+        padded[: flat_in.numel()].copy_(flat_in)
+        flat_in = padded
+    received = torch.empty_like(flat_in)
+    dist.all_to_all_single(received, flat_in, group=group)
+    return rank_sum(list(received.view(world, chunk).unbind(0)), divisor)
+
+
+def _scatter_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> None:
+    world = dist.get_world_size(group)
+    flat = tensor.view(-1)
+    chunk = _slice(flat.numel(), world)
+    mine = _scatter_sum(group, flat, chunk, divisor)
+    gathered = torch.empty(world * chunk, dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    flat.copy_(gathered[: flat.numel()])
+
+
+# ---------------------------------------------------------------------------------------------
+# The collectives
+# ---------------------------------------------------------------------------------------------
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,
+               algorithm: str | None = None, validate: bool | None = None):
+    """In-place sum (or average) of ``tensor`` over the group's ranks, every element summed over
+    the fixed rank tree (module docstring): the same bits for any message size and algorithm."""
+    fn = "all_reduce"
+    group = _group(group)
+    if op in (ReduceOp.MAX, ReduceOp.MIN):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    world = dist.get_world_size(group)
+    _check_tensor(fn, "tensor", tensor)
+    _check_group_size(fn, world)
+    divisor = _divisor(fn, op, world)
+    name = _algorithm(fn, algorithm, ALGORITHMS)
+    _validate(fn, group, tensor, tensor.numel(), _op_code(op), validate)
+    if world == 1 or tensor.numel() == 0:
+        if divisor is not None and tensor.numel():
+            tensor.copy_(rank_sum([tensor], divisor))
+        return _done(async_op)
+    nbytes = tensor.numel() * tensor.element_size()
+    symmetric = _symmetric_memory_usable(group, tensor)
+    if name is None:
+        if symmetric and nbytes <= SYMMETRIC_MEMORY_MAX_BYTES:
+            name = "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
+        else:
+            name = "gather" if nbytes <= GATHER_MAX_BYTES else "scatter"
+    elif name in ("one_shot", "two_shot") and not symmetric:
+        raise _fail(fn, f"algorithm {name!r} needs CUDA tensors, an NCCL group on one host and torch's symmetric "
+                        "memory; use 'gather' or 'scatter'")
+    if name == "gather":
+        _gather_all_reduce(group, tensor, divisor)
+    elif name == "scatter":
+        _scatter_all_reduce(group, tensor, divisor)
+    elif name == "one_shot":
+        _one_shot_all_reduce(group, tensor, divisor)
+    else:
+        _two_shot(group, tensor.view(-1), divisor, tensor, gather=True)
+    return _done(async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False, *, algorithm: str | None = None, validate: bool | None = None):
+    """``output`` = this rank's slice (slice r = elements r * n .. (r + 1) * n - 1 of ``input``,
+    n = output.numel()) of the sum (or average) of the ranks' inputs, every element summed over
+    the fixed rank tree. algorithm: 'scatter' (all_to_all, any backend) or 'two_shot' (its first
+    shot over symmetric memory)."""
+    fn = "reduce_scatter_tensor"
+    group = _group(group)
+    world = dist.get_world_size(group)
+    _check_tensor(fn, "output", output)
+    _check_tensor(fn, "input", input)
+    if input.dtype != output.dtype:
+        raise _fail(fn, f"input dtype {input.dtype} differs from output dtype {output.dtype}")
+    if input.device != output.device:
+        raise RuntimeError(f"rl_engine_ext.distributed.{fn}: input is on {input.device} but output is on {output.device}")
+    if input.numel() != world * output.numel():
+        raise _fail(fn, f"input must hold world_size ({world}) x output's {output.numel()} elements, got {input.numel()}")
+    _check_group_size(fn, world)
+    divisor = _divisor(fn, op, world)
+    name = _algorithm(fn, algorithm, ("scatter", "two_shot"))
+    _validate(fn, group, input, input.numel(), _op_code(op), validate)
+    if output.numel() == 0:
+        return _done(async_op)
+    if world == 1:
+        output.view(-1).copy_(rank_sum([input.view(-1)], divisor))
+        return _done(async_op)
+    symmetric = _symmetric_memory_usable(group, input)
+    nbytes = input.numel() * input.element_size()
+    if name is None:
+        name = "two_shot" if symmetric and nbytes <= SYMMETRIC_MEMORY_MAX_BYTES else "scatter"
+    elif name == "two_shot" and not symmetric:
+        raise _fail(fn, "algorithm 'two_shot' needs CUDA tensors, an NCCL group on one host and torch's symmetric "
+                        "memory; use 'scatter'")
+    if name == "two_shot":
+        _two_shot(group, input.view(-1), divisor, output, gather=False)
+    else:
+        output.view(-1).copy_(_scatter_sum(group, input.view(-1), output.numel(), divisor))
+    return _done(async_op)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+                           async_op: bool = False, *, validate: bool | None = None):
+    """torch.distributed.all_gather_into_tensor (a copy: invariant as it is), with this module's
+    checks, so a caller can take all three collectives from here."""
+    fn = "all_gather_into_tensor"
+    group = _group(group)
+    world = dist.get_world_size(group)
+    _check_tensor(fn, "output_tensor", output_tensor)
+    _check_tensor(fn, "input_tensor", input_tensor)
+    if input_tensor.dtype != output_tensor.dtype:
+        raise _fail(fn, f"input_tensor dtype {input_tensor.dtype} differs from output_tensor dtype {output_tensor.dtype}")
+    if output_tensor.numel() != world * input_tensor.numel():
+        raise _fail(fn, f"output_tensor must hold world_size ({world}) x input_tensor's {input_tensor.numel()} "
+                        f"elements, got {output_tensor.numel()}")
+    _validate(fn, group, input_tensor, input_tensor.numel(), 0, validate)
+    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2
+# ---------------------------------------------------------------------------------------------
+
+
+def _fsdp_reduce_scatter_base():
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:  # a torch without FSDP2's custom-collective hooks
+        return object
+    return ReduceScatter
+
+
+class InvariantReduceScatter(_fsdp_reduce_scatter_base()):
+    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) through
+    ``reduce_scatter_tensor``: the gradients' sum over the data-parallel ranks in the fixed rank
+    tree. FSDP2 passes op AVG (fp32 / bf16 reduce dtypes) or SUM (with its own division after);
+    a gradient divide factor other than the group size (PREMUL_SUM) is refused by the op check."""
+
+    def __init__(self, algorithm: str | None = None):
+        self.algorithm = algorithm
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        return reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op,
+                                     algorithm=self.algorithm)
+
+
+def use_invariant_reduce_scatter(model: torch.nn.Module, algorithm: str | None = None) -> int:
+    """Sets ``InvariantReduceScatter`` as the gradient reduce-scatter of every FSDP2 module in
+    ``model`` (``torch.distributed.fsdp.fully_shard``; call after sharding). Returns how many
+    modules were set; raises if there is none (an unsharded model would silently keep NCCL's)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError as e:
+        raise RuntimeError("rl_engine_ext.distributed.use_invariant_reduce_scatter needs torch's FSDP2 "
+                           "(torch.distributed.fsdp.FSDPModule)") from e
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("rl_engine_ext.distributed.use_invariant_reduce_scatter: no FSDP2 module in the model "
+                         "(call torch.distributed.fsdp.fully_shard on it first)")
+    if not hasattr(modules[0], "set_custom_reduce_scatter"):
+        raise RuntimeError(f"rl_engine_ext.distributed.use_invariant_reduce_scatter: torch {torch.__version__}'s "
+                           "FSDP2 has no set_custom_reduce_scatter")
+    comm = InvariantReduceScatter(algorithm)
+    for m in modules:
+        m.set_custom_reduce_scatter(comm)
+    return len(modules)
+

@@ -1,0 +1,79 @@
+"""Runs a function on W processes of one torch.distributed group (gloo on CPU, NCCL on CUDA) and
+gathers what each returned: the multi-process tests' launcher (tests/test_distributed.py,
+tests/test_fsdp.py) and the GPU scripts'. A rank that raises gives its traceback; a run that
+outlives ``timeout`` seconds (a hang) is killed and reported as one, never waited on forever."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import multiprocessing as mp
+
+# NVLink multicast can take a shared host's GPUs out of service: never on, in any rank.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(SAFE_ENV)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo", timeout: float = 240.0) -> list[Any]:
+    """fn(rank, world, *args) on ``world`` spawned processes; returns the ranks' results in rank
+    order, or raises RankFailed with every failing rank's traceback (or the hang)."""
+    os.environ.update(SAFE_ENV)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, Any]] = {}
+    try:
+        while len(got) < world:
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except Exception:  # queue.Empty: some rank never reported
+                missing = sorted(set(range(world)) - set(got))
+                raise RankFailed(f"ranks {missing} did not finish within {timeout} s (a hang); "
+                                 f"finished: {sorted(got)}") from None
+            got[rank] = (status, value)
+            if status == "error":
+                break  # the others may wait on the failed rank forever
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(got) == world else 0.1)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in got.items() if s == "error"}
+    if errors:
+        raise RankFailed("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
+    return [got[r][1] for r in range(world)]
