@@ -67,6 +67,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _fail(fn: str, message: str) -> ValueError:
     return ValueError(f"rl_engine_ext.distributed.{fn}: {message}")
 
@@ -132,7 +136,7 @@ def _validate(fn: str, group, t: torch.Tensor, numel: int, op_code: int, validat
     world = dist.get_world_size(group)
     mine = torch.tensor([numel, _DTYPE_CODES[t.dtype], op_code], dtype=torch.int64, device=t.device)
     every = torch.empty(world * 3, dtype=torch.int64, device=t.device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    _all_gather(every, mine, group=group)
     rows = every.view(world, 3).tolist()
     if any(row != rows[0] for row in rows):
         names = {code: dtype for dtype, code in _DTYPE_CODES.items()}
@@ -285,7 +289,7 @@ def _gather_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> No
     world = dist.get_world_size(group)
     flat = tensor.view(-1)
     every = torch.empty(world * flat.numel(), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(every, flat, group=group)
+    _all_gather(every, flat, group=group)
     flat.copy_(rank_sum(list(every.view(world, -1).unbind(0)), divisor))
 
 
@@ -308,7 +312,7 @@ def _scatter_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> N
     chunk = _slice(flat.numel(), world)
     mine = _scatter_sum(group, flat, chunk, divisor)
     gathered = torch.empty(world * chunk, dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    _all_gather(gathered, mine, group=group)
     flat.copy_(gathered[: flat.numel()])
 
 
@@ -411,7 +415,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         raise _fail(fn, f"output_tensor must hold world_size ({world}) x input_tensor's {input_tensor.numel()} "
                         f"elements, got {output_tensor.numel()}")
     _validate(fn, group, input_tensor, input_tensor.numel(), 0, validate)
-    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,3 +469,7 @@ def use_invariant_reduce_scatter(model: torch.nn.Module, algorithm: str | None =
         m.set_custom_reduce_scatter(comm)
     return len(modules)
 
+
+# torch 2.13's names for the same collectives, so the module swaps for torch.distributed under either.
+reduce_scatter_single = reduce_scatter_tensor
+all_gather_single = all_gather_into_tensor

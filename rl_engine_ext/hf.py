@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
+import types
 import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -815,6 +816,27 @@ def _lm_head(model: nn.Module, fn: str) -> tuple[nn.Module, nn.Module, torch.dty
     return decoder, head, weight.dtype, plain
 
 
+# The method name under which an FSDP2 model runs token_logprobs' forward (_as_model_forward).
+_FSDP_FORWARD_METHOD = "_rl_engine_ext_forward"
+
+
+def _as_model_forward(model: nn.Module, forward: Callable[..., Any], *args: Any) -> Any:
+    """forward(*args), a forward of ``model`` that reads its decoder and LM head directly: for an
+    FSDP2 model (torch.distributed.fsdp.fully_shard on the root) through FSDP's pre- and
+    post-forward hooks, as model(...) would run (the root's parameters all-gathered, their gradients
+    reduce-scattered after backward; register_fsdp_forward_method), otherwise as it is."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    except ImportError:  # a torch without FSDP2
+        return forward(*args)
+    if not isinstance(model, FSDPModule):
+        return forward(*args)
+    if _FSDP_FORWARD_METHOD not in vars(model):
+        setattr(model, _FSDP_FORWARD_METHOD, types.MethodType(lambda self, fn, *a: fn(*a), model))
+        register_fsdp_forward_method(model, _FSDP_FORWARD_METHOD)
+    return getattr(model, _FSDP_FORWARD_METHOD)(forward, *args)
+
+
 def _packed_layout(fn: str, input_ids: torch.Tensor, cu_seqlens: Any, max_seqlen: Any) -> int:
     """Checks packed sequences' cu_seqlens (on the host: one read of N + 1 values) and returns
     max_seqlen (the longest sequence when not given)."""
@@ -898,16 +920,20 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         batch = padded_batch(None if attention_mask is None else real, ids.shape[0], ids.shape[1], ids.device)
         follows = torch.zeros_like(real)
         follows[:, 1:] = real[:, 1:] & real[:, :-1]
-    hidden = base(input_ids=ids, position_ids=positions, attention_mask=batch, use_cache=False).last_hidden_state
     # Token t is predicted from the hidden state at t - 1 of the same sequence; every position goes
     # through the LM head (the last ones with no target), so a micro-batch's LM-head tokens are its
     # token count, as for every other linear (fp32_grad_accumulation's tiles).
     targets = torch.full_like(ids, IGNORE_INDEX)
     targets[:, :-1] = torch.where(follows[:, 1:], ids[:, 1:], IGNORE_INDEX)
-    if plain_head:
-        lp = _mg.linear_logprob(hidden, lm_head.weight, targets, temperature, return_entropy, lm_head.bias)
-    else:  # the head's logits, rounded as the sampler rounds generate()'s fp32 copy of them
-        lp = logprob(lm_head(hidden).to(head_dtype), targets, temperature, return_entropy)
+
+    def forward(ids, positions, targets):
+        hidden = base(input_ids=ids, position_ids=positions, attention_mask=batch, use_cache=False).last_hidden_state
+        if plain_head:
+            return _mg.linear_logprob(hidden, lm_head.weight, targets, temperature, return_entropy, lm_head.bias)
+        # the head's logits, rounded as the sampler rounds generate()'s fp32 copy of them
+        return logprob(lm_head(hidden).to(head_dtype), targets, temperature, return_entropy)
+
+    lp = _as_model_forward(model, forward, ids, positions, targets)
     lp, entropy = lp if return_entropy else (lp, None)
     shift = lambda t: torch.cat([t.new_zeros(t.shape[0], 1), t[:, :-1]], dim=1).reshape(input_ids.shape)
     return (shift(lp), shift(entropy)) if return_entropy else shift(lp)

@@ -302,6 +302,24 @@ class Fp32GradAccumulation:
         _ACCUMULATING[0] -= 1
 
 
+def _check_not_sharded(param: torch.Tensor, name: str) -> None:
+    """FSDP2 (fully_shard) shards the parameters into DTensors and computes with unsharded copies
+    it makes per forward, then reduce-scatters those copies' ``.grad``: a ``main_grad`` here would
+    never be reached (the ops see the copies) and ``.grad`` left None would skip FSDP's reduction.
+    Refused rather than silently accumulating nothing."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without torch.distributed
+        return
+    if isinstance(param, DTensor):
+        raise ValueError(
+            f"rl_engine_ext.fp32_grad_accumulation: parameter {name} is sharded (a DTensor, e.g. by FSDP2's "
+            "fully_shard); fp32_grad_accumulation does not compose with FSDP2, which reduce-scatters the .grad of "
+            "the unsharded copies it makes per forward. Accumulate micro-batches with FSDP2 itself "
+            "(set_requires_gradient_sync(False) before all but the last, MixedPrecisionPolicy(reduce_dtype="
+            "torch.float32)); README, 'Many GPUs'")
+
+
 def fp32_grad_accumulation(model: nn.Module) -> Fp32GradAccumulation:
     """Gives a zeroed fp32 ``main_grad`` to the parameters (that require grad) of the model's
     modules of the kinds the ops take parameters from (nn.Linear's weight and bias, nn.Embedding's
@@ -321,6 +339,7 @@ def fp32_grad_accumulation(model: nn.Module) -> Fp32GradAccumulation:
     accumulated = _accumulated_parameters(model)
     for param, holders in accumulated:
         _check_holders(param, holders, names[id(param)])
+        _check_not_sharded(param, names[id(param)][0])
     views: list[tuple[nn.Parameter, int]] = []  # (param, offset): its main_grad, then a tied one's chains
     sizes: dict[torch.device, int] = defaultdict(int)
     for param, holders in accumulated:

@@ -6,6 +6,8 @@ outlives ``timeout`` seconds (a hang) is killed and reported as one, never waite
 from __future__ import annotations
 
 import os
+import pickle
+import queue
 import socket
 import traceback
 from typing import Any, Callable
@@ -37,7 +39,9 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
-        results.put((rank, "ok", fn(rank, world, *args)))
+        # By value (plain pickle): the queue's own pickler would pass tensors as shared memory,
+        # which dies with this process.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -61,7 +65,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, backend: str = "gl
         while len(got) < world:
             try:
                 rank, status, value = results.get(timeout=timeout)
-            except Exception:  # queue.Empty: some rank never reported
+            except queue.Empty:  # some rank never reported
                 missing = sorted(set(range(world)) - set(got))
                 raise RankFailed(f"ranks {missing} did not finish within {timeout} s (a hang); "
                                  f"finished: {sorted(got)}") from None
@@ -76,4 +80,4 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, backend: str = "gl
     errors = {r: v for r, (s, v) in got.items() if s == "error"}
     if errors:
         raise RankFailed("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
-    return [got[r][1] for r in range(world)]
+    return [pickle.loads(got[r][1]) for r in range(world)]

@@ -1,0 +1,64 @@
+"""A tiny patched Qwen3 under FSDP2 on gloo CPU ranks, gradients reduce-scattered by
+rl_engine_ext.distributed: per-token log-probs equal the one-process model's bit for bit; gradients
+and the parameters after an AdamW step bitwise equal run to run and whatever the reduce-scatter
+messages hold (one unit per decoder layer, or the whole model as one message). scripts/gpu_distributed.py
+runs the same on NCCL GPU ranks at Qwen3-8B layer dimensions, with NCCL's reduce-scatter as control."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from fsdp_workers import TINY, fsdp_train, single_process_logprobs
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_training_is_invariant(world):
+    layers = run_ranks(world, fsdp_train, TINY, "layers", "invariant", "cpu")
+    again = run_ranks(world, fsdp_train, TINY, "layers", "invariant", "cpu")
+    one_message = run_ranks(world, fsdp_train, TINY, "root", "invariant", "cpu")
+    alone = single_process_logprobs(TINY, world, "cpu")
+    for rank in range(world):
+        run = layers[rank]
+        # the all-gather only copies: each rank's log-probs are the unsharded model's
+        assert torch.equal(run["logprobs"], alone[rank]), rank
+        # the gradients went through rank_sum: one reduce-scatter per FSDP unit (2 layers + root)
+        assert run["rank_sum_calls"] == TINY["num_hidden_layers"] + 1
+        assert one_message[rank]["rank_sum_calls"] == 1
+        for other in (again[rank], one_message[rank]):
+            assert other["grads"] == run["grads"], rank
+            assert other["params"] == run["params"], rank
+            assert torch.equal(other["logprobs_after_step"], run["logprobs_after_step"]), rank
+        assert not torch.equal(run["logprobs_after_step"], run["logprobs"])  # the step changed the model
+
+
+def _shard_then_accumulate(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import rl_engine_ext as rl
+    from fsdp_workers import build_model
+
+    model = build_model(TINY, "cpu")
+    rl.patch(model)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    try:
+        rl.fp32_grad_accumulation(model)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fp32_grad_accumulation_refuses_sharded_parameters():
+    for message in run_ranks(2, _shard_then_accumulate):
+        assert "is sharded (a DTensor" in message and "does not compose with FSDP2" in message
+
+
+def test_use_invariant_reduce_scatter_needs_a_sharded_model():
+    from rl_engine_ext import distributed as rd
+
+    with pytest.raises(ValueError, match="no FSDP2 module in the model"):
+        rd.use_invariant_reduce_scatter(torch.nn.Linear(2, 2))
