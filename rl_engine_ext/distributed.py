@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -163,7 +163,7 @@ def _algorithm(fn: str, requested: str | None, allowed: tuple[str, ...]) -> str 
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclasses.dataclass
 class _Workspace:
     """Three regions of ``region_bytes`` in every rank's symmetric buffer: two input regions used
     in turn (call k writes input k % 2: a peer still reading call k-1's input reads the other, and
@@ -178,16 +178,26 @@ class _Workspace:
     rank: int
     calls: int = 0
 
+    views_cache: dict = dataclasses.field(default_factory=dict)
+
     def views(self, region: int, offset: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every rank's [numel] view of ``region`` from element ``offset``, in rank order."""
-        start = (region * self.region_bytes) // dtype.itemsize + offset
-        return [self.handle.get_buffer(r, (numel,), dtype, start) for r in range(self.world)]
+        """Every rank's [numel] view of ``region`` from element ``offset``, in rank order (cached:
+        making W views costs more host time than a decode-size collective)."""
+        key = (region, offset, numel, dtype)
+        views = self.views_cache.get(key)
+        if views is None:
+            if len(self.views_cache) >= 1024:
+                self.views_cache.clear()
+            start = (region * self.region_bytes) // dtype.itemsize + offset
+            views = [self.handle.get_buffer(r, (numel,), dtype, start) for r in range(self.world)]
+            self.views_cache[key] = views
+        return views
 
     def barrier(self) -> None:
         self.handle.barrier(channel=0)
 
 
-_WORKSPACES: dict[tuple[str, int], _Workspace] = {}
+_WORKSPACES: dict[tuple[str, int, int], _Workspace] = {}
 _SYMMETRIC_OK: dict[str, bool] = {}
 
 
@@ -216,7 +226,9 @@ def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _
     rank grows it in the same call, since every rank passes the same message)."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    key = (group.group_name, device.index)
+    # One workspace per stream too: collectives on two streams (FSDP2's reduce-scatter stream and
+    # the compute stream) may run at once, and must not share buffers or barrier signals.
+    key = (group.group_name, device.index, torch.cuda.current_stream(device).stream_id)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.region_bytes < nbytes:
         region = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())

@@ -14,6 +14,7 @@ from dist_harness import run_ranks
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # 1 element .. 4 MB of fp32 (1M elements), with sizes not divisible by the ranks or by 8.
 SIZES = (1, 3, 8, 1000, 4099, 65536 + 5, 1 << 20)
+HEAD = 8192  # the values summed alone and at the head of larger messages
 
 
 def _rank_data(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -73,15 +74,14 @@ def _message_size_worker(rank: int, world: int) -> list[str]:
     every algorithm: one set of bits (NCCL changes 14-21% of them at 4 ranks)."""
     from rl_engine_ext import distributed as rd
 
-    head = 8192
     results = []
-    for numel in (head, 1 << 18, 1 << 20):
+    for numel in (HEAD, 1 << 18, 1 << 20):
         full = _rank_data(rank, numel, torch.bfloat16, 5)
-        full[:head] = _rank_data(rank, head, torch.bfloat16, 6)
+        full[:HEAD] = _rank_data(rank, HEAD, torch.bfloat16, 6)
         for algorithm in ("gather", "scatter"):
             t = full.clone()
             rd.all_reduce(t, algorithm=algorithm)
-            results.append(t[:head])
+            results.append(t[:HEAD])
     return [f"message {i}" for i, r in enumerate(results) if not torch.equal(r, results[0])]
 
 
@@ -161,6 +161,83 @@ def test_group_size_limit_and_uninitialised_use():
         rd._check_group_size("all_reduce", 65)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         rd.all_reduce(torch.ones(3))
+
+
+def gpu_collectives(rank: int, world: int, sizes: tuple[int, ...]) -> dict:
+    """One NCCL rank: every algorithm (symmetric memory ones where usable) against the tree, and
+    the same values in messages of several sizes, ours and NCCL's (scripts/gpu_distributed.py
+    prints the control figures)."""
+    import torch.distributed as dist
+
+    from rl_engine_ext import distributed as rd
+    from rl_engine_ext.ops.rank_sum import reference_rank_sum
+
+    dev = torch.device("cuda", rank)
+    symmetric = rd._symmetric_memory_usable(dist.group.WORLD, torch.empty(1, device=dev))
+    algorithms = [None, "gather", "scatter"] + (["one_shot", "two_shot"] if symmetric else [])
+    bad, checked = [], 0
+    for dtype in DTYPES:
+        for numel in sizes:
+            if numel > 1 << 24 and dtype != torch.bfloat16:
+                continue
+            seed = numel % 1000 + len(str(dtype))
+            every = [_rank_data(r, numel, dtype, seed).to(dev) for r in range(world)]
+            if numel == 65536 + 5:  # the GPU kernel against the CPU reference
+                if not torch.equal(rd.rank_sum(every).cpu(), reference_rank_sum([e.cpu() for e in every])):
+                    bad.append(f"rank_sum cuda != cpu {dtype}")
+            for op, divisor in ((dist.ReduceOp.SUM, None), (dist.ReduceOp.AVG, float(world))):
+                want = rd.rank_sum(every, divisor)
+                for algorithm in algorithms:
+                    t = every[rank].clone()
+                    rd.all_reduce(t, op=op, algorithm=algorithm)
+                    checked += 1
+                    if not torch.equal(t, want):
+                        bad.append(f"all_reduce {algorithm or 'auto'} {dtype} n={numel} {op}")
+                if numel <= 1 << 24:
+                    chunks = [torch.cat([_rank_data(r, numel, dtype, seed + 7 * s).to(dev) for s in range(world)])
+                              for r in range(world)]
+                    want_rs = rd.rank_sum([c[rank * numel:(rank + 1) * numel] for c in chunks], divisor)
+                    for algorithm in [None, "scatter"] + (["two_shot"] if symmetric else []):
+                        out = torch.empty(numel, dtype=dtype, device=dev)
+                        rd.reduce_scatter_tensor(out, chunks[rank], op=op, algorithm=algorithm)
+                        checked += 1
+                        if not torch.equal(out, want_rs):
+                            bad.append(f"reduce_scatter {algorithm or 'auto'} {dtype} n={numel} {op}")
+                    del chunks
+            del every
+    # the same values in messages of different sizes: ours vs NCCL's
+    heads_ours, heads_nccl = [], []
+    for numel in (HEAD, 1 << 18, 1 << 22, max(sizes)):
+        full = _rank_data(rank, numel, torch.bfloat16, 5).to(dev)
+        full[:HEAD] = _rank_data(rank, HEAD, torch.bfloat16, 6).to(dev)
+        ours, nccl = full.clone(), full.clone()
+        rd.all_reduce(ours)
+        dist.all_reduce(nccl)
+        heads_ours.append(ours[:HEAD])
+        heads_nccl.append(nccl[:HEAD])
+    repeat = _rank_data(rank, 1 << 22, torch.bfloat16, 5).to(dev)
+    runs = []
+    for _ in range(3):
+        t = repeat.clone()
+        dist.all_reduce(t)
+        runs.append(t)
+    return {
+        "symmetric_memory": symmetric, "checked": checked, "bad": bad,
+        "ours_head_differs": [float((h != heads_ours[0]).float().mean()) for h in heads_ours],
+        "nccl_head_differs": [float((h != heads_nccl[0]).float().mean()) for h in heads_nccl],
+        "nccl_run_to_run_equal": all(torch.equal(r, runs[0]) for r in runs),
+    }
+
+
+@pytest.mark.cuda
+def test_nccl_and_symmetric_memory_paths():
+    """Every GPU of this machine (2 or more) as one NCCL group: every algorithm the tree's bits."""
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip(f"needs 2 or more GPUs, this machine has {world} (scripts/gpu_distributed.py runs the same)")
+    for rank, r in enumerate(run_ranks(world, gpu_collectives, (1, 4099, 1 << 20), backend="nccl", timeout=300)):
+        assert not r["bad"] and r["checked"] > 0, (rank, r["bad"])
+        assert all(d == 0 for d in r["ours_head_differs"]), r["ours_head_differs"]
 
 
 def _single_rank_worker(rank: int, world: int) -> list[str]:
