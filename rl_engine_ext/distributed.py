@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .ops.rank_sum import RANK_SUM_MAX_PARTS, rank_sum
+from ._native import has_native_kernel
+from .ops.rank_sum import RANK_SUM_MAX_PARTS, RANK_SUM_PEER_FLAG_BYTES, rank_sum
 
 ALGORITHMS = ("gather", "scatter", "one_shot", "two_shot")
 ALGORITHM_ENV = "RL_ENGINE_EXT_DIST_ALGORITHM"
@@ -62,6 +63,7 @@ SYMMETRIC_MEMORY_ENV = "RL_ENGINE_EXT_DIST_SYMMETRIC_MEMORY"  # "0": never use s
 GATHER_MAX_BYTES = 64 * 1024  # portable all_reduce: gather up to here, scatter above
 ONE_SHOT_MAX_BYTES = 1024 * 1024  # symmetric memory all_reduce: one_shot up to here, two_shot above
 SYMMETRIC_MEMORY_MAX_BYTES = 256 * 1024 * 1024  # larger messages go through torch.distributed (scatter)
+SCATTER_PIECE_BYTES = 16 * 1024 * 1024  # the scatter algorithm's pipeline pieces
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -165,36 +167,42 @@ def _algorithm(fn: str, requested: str | None, allowed: tuple[str, ...]) -> str 
 
 @dataclasses.dataclass
 class _Workspace:
-    """Three regions of ``region_bytes`` in every rank's symmetric buffer: two input regions used
-    in turn (call k writes input k % 2: a peer still reading call k-1's input reads the other, and
-    has finished call k-2's before it entered call k-1's barrier, so one barrier per one-shot call
-    suffices) and one result region (two_shot's summed slices: written after the call's first
-    barrier, when every peer has finished reading the previous call's)."""
+    """A symmetric buffer of every rank of a group (torch symmetric memory), mapped into each GPU:
+    two data regions used in turn, a result region and the flags of the kernels' barrier
+    (csrc/common/rank_sum.h, PeerSumOperands), each region ``region_bytes``. Call k copies its input
+    into data region k % 2: a rank still reading call k-1's data reads the other region, and every
+    rank has finished call k-2 before it arrives at call k-1's barrier, so one barrier per shot
+    suffices. two_shot's summed segments go to the result region after its first barrier, when
+    every rank has finished reading the previous call's results."""
 
     handle: object
     buffer: torch.Tensor
     region_bytes: int
-    world: int
     rank: int
+    data: tuple[list[int], list[int]]  # every rank's data region k, k = 0, 1
+    result: list[int]
+    flags: list[int]
     calls: int = 0
+    epoch: int = 0
+    views: dict = dataclasses.field(default_factory=dict)
 
-    views_cache: dict = dataclasses.field(default_factory=dict)
+    def next_call(self) -> tuple[list[int], int]:
+        """The data regions of this call and the epoch of its first barrier."""
+        self.calls += 1
+        self.epoch += 1
+        return self.data[self.calls % 2], self.epoch
 
-    def views(self, region: int, offset: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every rank's [numel] view of ``region`` from element ``offset``, in rank order (cached:
-        making W views costs more host time than a decode-size collective)."""
-        key = (region, offset, numel, dtype)
-        views = self.views_cache.get(key)
-        if views is None:
-            if len(self.views_cache) >= 1024:
-                self.views_cache.clear()
-            start = (region * self.region_bytes) // dtype.itemsize + offset
-            views = [self.handle.get_buffer(r, (numel,), dtype, start) for r in range(self.world)]
-            self.views_cache[key] = views
-        return views
-
-    def barrier(self) -> None:
-        self.handle.barrier(channel=0)
+    def result_view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's result region, elements offset .. offset + numel - 1 (cached: a view costs
+        more host time than a decode-size collective)."""
+        key = (offset, numel, dtype)
+        view = self.views.get(key)
+        if view is None:
+            if len(self.views) >= 1024:
+                self.views.clear()
+            view = self.handle.get_buffer(self.rank, (numel,), dtype, 2 * self.region_bytes // dtype.itemsize + offset)
+            self.views[key] = view
+        return view
 
 
 _WORKSPACES: dict[tuple[str, int, int], _Workspace] = {}
@@ -202,16 +210,16 @@ _SYMMETRIC_OK: dict[str, bool] = {}
 
 
 def _symmetric_memory_usable(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
-    """CUDA tensors of a group whose ranks share one host, with torch's symmetric memory. The same
-    answer on every rank (decided from gathered host names), so no rank takes a path the others
-    do not; computed once per group (its first CUDA call is collective)."""
+    """CUDA tensors of a group whose ranks share one host, with torch's symmetric memory and this
+    build's CUDA kernels. The same answer on every rank (decided from gathered host names), so no
+    rank takes a path the others do not; computed once per group (its first CUDA call is collective)."""
     if t.device.type != "cuda" or os.environ.get(SYMMETRIC_MEMORY_ENV, "") == "0":
         return False
     name = group.group_name
     if name not in _SYMMETRIC_OK:
         hosts: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        ok = len(set(hosts)) == 1 and "nccl" in str(dist.get_backend(group))
+        ok = len(set(hosts)) == 1 and "nccl" in str(dist.get_backend(group)) and has_native_kernel("rank_sum", "cuda")
         if ok:
             try:
                 import torch.distributed._symmetric_memory  # noqa: F401
@@ -222,74 +230,65 @@ def _symmetric_memory_usable(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
 
 
 def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _Workspace:
-    """The group's workspace with regions of at least ``nbytes`` (a collective when it grows: every
-    rank grows it in the same call, since every rank passes the same message)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    # One workspace per stream too: collectives on two streams (FSDP2's reduce-scatter stream and
-    # the compute stream) may run at once, and must not share buffers or barrier signals.
+    """The group's workspace on the current stream with regions of at least ``nbytes`` (collective
+    when it is made or grows: every rank does so in the same call, since every rank passes the same
+    message). One workspace per stream: collectives on two streams (FSDP2's reduce-scatter stream and
+    the compute stream) may run at once, and must not share buffers or flags."""
     key = (group.group_name, device.index, torch.cuda.current_stream(device).stream_id)
     ws = _WORKSPACES.get(key)
-    if ws is None or ws.region_bytes < nbytes:
-        region = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-        if ws is not None:
-            region = max(region, ws.region_bytes * 2)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(key[0]):
-                symm_mem.enable_symm_mem_for_group(key[0])
-        buffer = symm_mem.empty(3 * region, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(buffer, key[0])
-        ws = _Workspace(handle, buffer, region, dist.get_world_size(group), dist.get_rank(group))
-        _WORKSPACES[key] = ws
+    if ws is not None and ws.region_bytes >= nbytes:
+        return ws
+    import torch.distributed._symmetric_memory as symm_mem
+
+    region = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+    if ws is not None:
+        region = max(region, ws.region_bytes * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(key[0]):
+            symm_mem.enable_symm_mem_for_group(key[0])
+    buffer = symm_mem.empty(3 * region + RANK_SUM_PEER_FLAG_BYTES, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, key[0])
+    buffer[3 * region:].zero_()
+    handle.barrier()  # every rank's flags are zero before any rank's kernel signals
+    ptrs = list(handle.buffer_ptrs)
+    ws = _Workspace(handle, buffer, region, dist.get_rank(group), ([p for p in ptrs], [p + region for p in ptrs]),
+                    [p + 2 * region for p in ptrs], [p + 3 * region for p in ptrs])
+    _WORKSPACES[key] = ws
     return ws
+
+
+def _peer_all_reduce(group, flat: torch.Tensor, divisor: float | None, two_shot: bool) -> None:
+    """one_shot: one kernel (copy in, barrier, every rank's whole message summed in place).
+    two_shot: each rank sums its segment into its result region, then (second barrier) reads every
+    rank's summed segment."""
+    numel = flat.numel()
+    world = dist.get_world_size(group)
+    segment = _slice(numel, world) if two_shot else numel
+    ws = _workspace(group, flat.device, max(numel, segment * world if two_shot else 0) * flat.element_size())
+    data, epoch = ws.next_call()
+    if not two_shot:
+        torch.ops.rl_align.peer_rank_sum(flat, flat, data, ws.flags, ws.rank, segment, 0, epoch, divisor)
+        return
+    own = max(0, min(segment, numel - ws.rank * segment))
+    mine = ws.result_view(ws.rank * segment, own, flat.dtype)
+    torch.ops.rl_align.peer_rank_sum(flat, mine, data, ws.flags, ws.rank, segment, ws.rank, epoch, divisor)
+    ws.epoch += 1
+    torch.ops.rl_align.peer_gather(flat, ws.result, ws.flags, ws.rank, segment, ws.epoch)
+
+
+def _peer_reduce_scatter(group, flat_in: torch.Tensor, out: torch.Tensor, divisor: float | None) -> None:
+    """One kernel: copy in, barrier, this rank's segment summed over every rank's buffer."""
+    ws = _workspace(group, flat_in.device, flat_in.numel() * flat_in.element_size())
+    data, epoch = ws.next_call()
+    torch.ops.rl_align.peer_rank_sum(flat_in, out.view(-1), data, ws.flags, ws.rank, out.numel(), ws.rank, epoch,
+                                     divisor)
 
 
 def _slice(numel: int, world: int) -> int:
     """Elements of each rank's slice: numel split in W slices of 16-byte multiples (the last
     shorter or empty)."""
     return -(-numel // (world * 8)) * 8
-
-
-def _one_shot_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> None:
-    ws = _workspace(group, tensor.device, tensor.numel() * tensor.element_size())
-    region = ws.calls % 2
-    ws.calls += 1
-    flat = tensor.view(-1)
-    views = ws.views(region, 0, flat.numel(), tensor.dtype)
-    views[ws.rank].copy_(flat)
-    ws.barrier()
-    flat.copy_(rank_sum(views, divisor))
-
-
-def _two_shot(group, flat_in: torch.Tensor, divisor: float | None, out: torch.Tensor, gather: bool) -> None:
-    """Shot 1: every rank sums its slice of the W inputs (read from the peers) into its result
-    region; shot 2 (gather): every rank reads the W summed slices into ``out``. Without gather
-    (reduce_scatter) ``out`` is this rank's slice and flat_in holds W slices of out.numel()."""
-    world = dist.get_world_size(group)
-    numel = flat_in.numel()
-    chunk = out.numel() if not gather else _slice(numel, world)
-    ws = _workspace(group, flat_in.device, max(numel, chunk * world) * flat_in.element_size())
-    region = ws.calls % 2
-    ws.calls += 1
-    dtype = flat_in.dtype
-    ws.views(region, 0, numel, dtype)[ws.rank].copy_(flat_in)
-    ws.barrier()
-    lo = min(ws.rank * chunk, numel)
-    hi = min(lo + chunk, numel)
-    mine = rank_sum(ws.views(region, lo, hi - lo, dtype), divisor) if hi > lo else None
-    if not gather:
-        if mine is not None:
-            out.view(-1).copy_(mine)
-        return
-    if mine is not None:
-        ws.views(2, lo, hi - lo, dtype)[ws.rank].copy_(mine)
-    ws.barrier()
-    flat_out = out.view(-1)
-    for r in range(world):
-        a, b = min(r * chunk, numel), min(r * chunk + chunk, numel)
-        if b > a:
-            flat_out[a:b].copy_(ws.views(2, a, b - a, dtype)[r])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,27 +304,80 @@ def _gather_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> No
     flat.copy_(rank_sum(list(every.view(world, -1).unbind(0)), divisor))
 
 
-def _scatter_sum(group, flat_in: torch.Tensor, chunk: int, divisor: float | None) -> torch.Tensor:
-    """all_to_all of W slices of ``chunk`` elements (flat_in padded to W * chunk), then this
-    rank's slice summed over the ranks."""
-    world = dist.get_world_size(group)
-    if flat_in.numel() != world * chunk:
-        padded = flat_in.new_zeros(world * chunk)
-        padded[: flat_in.numel()].copy_(flat_in)
-        flat_in = padded
-    received = torch.empty_like(flat_in)
-    dist.all_to_all_single(received, flat_in, group=group)
-    return rank_sum(list(received.view(world, chunk).unbind(0)), divisor)
+def _pieces(numel: int, elem: int, world: int) -> list[tuple[int, int]]:
+    """The scatter algorithm's pipeline pieces of a message: [lo, hi) ranges of about
+    SCATTER_PIECE_BYTES, each but the last a multiple of W x 16 bytes (whole slices)."""
+    step = world * 8
+    piece = max(step, SCATTER_PIECE_BYTES // elem // step * step)
+    return [(lo, min(lo + piece, numel)) for lo in range(0, numel, piece)]
 
 
 def _scatter_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> None:
+    """Per piece: all_to_all of W slices, this rank's slice summed, all_gather of the sums into
+    the tensor. Piece k + 1's exchange is issued before piece k is summed, so the sum overlaps it."""
     world = dist.get_world_size(group)
     flat = tensor.view(-1)
-    chunk = _slice(flat.numel(), world)
-    mine = _scatter_sum(group, flat, chunk, divisor)
-    gathered = torch.empty(world * chunk, dtype=tensor.dtype, device=tensor.device)
-    _all_gather(gathered, mine, group=group)
-    flat.copy_(gathered[: flat.numel()])
+
+    def exchange(lo: int, hi: int):
+        send = flat[lo:hi]
+        chunk = _slice(hi - lo, world)
+        if send.numel() != world * chunk:
+            send = torch.cat([send, send.new_zeros(world * chunk - send.numel())])
+        received = torch.empty_like(send)
+        return lo, hi, chunk, received, dist.all_to_all_single(received, send, group=group, async_op=True)
+
+    def finish(lo: int, hi: int, chunk: int, received: torch.Tensor, work) -> None:
+        work.wait()
+        mine = rank_sum(list(received.view(world, chunk).unbind(0)), divisor)
+        if hi - lo == world * chunk:
+            _all_gather(flat[lo:hi], mine, group=group)
+        else:
+            gathered = torch.empty(world * chunk, dtype=flat.dtype, device=flat.device)
+            _all_gather(gathered, mine, group=group)
+            flat[lo:hi].copy_(gathered[: hi - lo])
+
+    pieces = _pieces(flat.numel(), flat.element_size(), world)
+    current = exchange(*pieces[0])
+    for nxt in pieces[1:]:
+        following = exchange(*nxt)
+        finish(*current)
+        current = following
+    finish(*current)
+
+
+def _scatter_reduce_scatter(group, flat_in: torch.Tensor, out: torch.Tensor, divisor: float | None) -> None:
+    """all_to_all of the W slices, this rank's slice summed into ``out``. On NCCL in pieces of the
+    slices (list all_to_all of contiguous views), piece k + 1's exchange overlapping piece k's sum;
+    on other backends (gloo has only all_to_all_single) in one exchange."""
+    world = dist.get_world_size(group)
+    m = out.numel()
+    flat_out = out.view(-1)
+    if "nccl" not in str(dist.get_backend(group)):
+        received = torch.empty_like(flat_in)
+        dist.all_to_all_single(received, flat_in, group=group)
+        flat_out.copy_(rank_sum(list(received.view(world, m).unbind(0)), divisor))
+        return
+    rows = flat_in.view(world, m)
+
+    def exchange(lo: int, hi: int):
+        received = torch.empty(world, hi - lo, dtype=flat_in.dtype, device=flat_in.device)
+        work = dist.all_to_all(list(received.unbind(0)), [rows[r, lo:hi] for r in range(world)], group=group,
+                               async_op=True)
+        return lo, hi, received, work
+
+    def finish(lo: int, hi: int, received: torch.Tensor, work) -> None:
+        work.wait()
+        flat_out[lo:hi].copy_(rank_sum(list(received.unbind(0)), divisor))
+
+    pieces = _pieces(m * world, flat_in.element_size(), world)
+    per = pieces[0][1] // world  # output elements per piece
+    ranges = [(lo, min(lo + per, m)) for lo in range(0, m, per)]
+    current = exchange(*ranges[0])
+    for nxt in ranges[1:]:
+        following = exchange(*nxt)
+        finish(*current)
+        current = following
+    finish(*current)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,9 +418,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     elif name == "scatter":
         _scatter_all_reduce(group, tensor, divisor)
     elif name == "one_shot":
-        _one_shot_all_reduce(group, tensor, divisor)
+        _peer_all_reduce(group, tensor.view(-1), divisor, two_shot=False)
     else:
-        _two_shot(group, tensor.view(-1), divisor, tensor, gather=True)
+        _peer_all_reduce(group, tensor.view(-1), divisor, two_shot=True)
     return _done(async_op)
 
 
@@ -406,9 +458,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         raise _fail(fn, "algorithm 'two_shot' needs CUDA tensors, an NCCL group on one host and torch's symmetric "
                         "memory; use 'scatter'")
     if name == "two_shot":
-        _two_shot(group, input.view(-1), divisor, output, gather=False)
+        _peer_reduce_scatter(group, input.view(-1), output, divisor)
     else:
-        output.view(-1).copy_(_scatter_sum(group, input.view(-1), output.numel(), divisor))
+        _scatter_reduce_scatter(group, input.view(-1), output, divisor)
     return _done(async_op)
 
 

@@ -78,4 +78,34 @@ struct RankSumTree {
   }
 };
 
+// The symmetric-memory collectives' fused kernels (rl_engine_ext.distributed, one_shot / two_shot):
+// every rank's workspace holds its data region and its flags; `buffer[r]` / `flags[r]` are rank r's,
+// mapped into this GPU. The message (numel elements) is `segments` segments of `segment` elements
+// (the last one shorter), each split into the same contiguous block ranges on every rank (a function
+// of segment and dtype only), so block b of every rank handles the same elements.
+//   peer_rank_sum: block b copies its range of every segment of `input` into buffer[rank], signals
+//     every rank, waits for every rank's block b (flags), then folds segment `segment_index`'s range
+//     over buffer[0 .. parts-1] with RankSumTree into `out` (out may be input: in place).
+//   peer_gather: block b signals and waits likewise, then copies segment r's range from buffer[r]
+//     into `out` for every r (two_shot's second shot: buffer[r] holds rank r's summed segment).
+// Flags: flags[r][b * kRankSumMaxParts + sender] = the epoch of the sender's latest arrival
+// (monotonic: a rank is at most one call ahead of another, so waiting for >= epoch suffices).
+constexpr int kPeerMaxBlocks = 128;
+constexpr int64_t kPeerFlagBytes = int64_t{kPeerMaxBlocks} * kRankSumMaxParts * 4;
+
+struct PeerSumOperands {
+  int parts = 0;
+  int rank = 0;
+  int64_t numel = 0;
+  int64_t segment = 0;       // elements per segment
+  int segments = 1;
+  int segment_index = 0;     // peer_rank_sum: the segment this rank sums
+  const void* input = nullptr;
+  void* out = nullptr;
+  void* buffer[kRankSumMaxParts] = {};
+  unsigned int* flags[kRankSumMaxParts] = {};
+  unsigned int epoch = 0;
+  float divisor = 0.f;
+};
+
 }  // namespace rl_align

@@ -11,6 +11,7 @@ namespace rl_align {
 namespace {
 
 RL_ALIGN_NATIVE_CONSTANT(RANK_SUM_MAX_PARTS, kRankSumMaxParts);
+RL_ALIGN_NATIVE_CONSTANT(RANK_SUM_PEER_FLAG_BYTES, kPeerFlagBytes);
 
 struct CpuBackend {
   static void run(const at::Tensor& ref, const RankSumOperands& a) {

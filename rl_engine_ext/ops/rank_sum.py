@@ -23,6 +23,8 @@ from ._spec import BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_
 
 OP = "rank_sum"
 RANK_SUM_MAX_PARTS = 64  # csrc/common/rank_sum.h: kRankSumMaxParts
+# The flags of the symmetric-memory kernels' barrier (csrc/common/rank_sum.h: kPeerFlagBytes).
+RANK_SUM_PEER_FLAG_BYTES = 128 * RANK_SUM_MAX_PARTS * 4
 
 
 def check_rank_sum(parts: list[torch.Tensor], divisor: float | None = None) -> None:
@@ -130,5 +132,5 @@ SPEC = OpSpec(
     bad_inputs=_bad_inputs,
     check_shapes=({"rows": 64, "width": 4096, "world": 4}, {"rows": 129, "width": 77, "world": 3}),
     invariance_case=_invariance_case,
-    constants={"RANK_SUM_MAX_PARTS": RANK_SUM_MAX_PARTS},
+    constants={"RANK_SUM_MAX_PARTS": RANK_SUM_MAX_PARTS, "RANK_SUM_PEER_FLAG_BYTES": RANK_SUM_PEER_FLAG_BYTES},
 )
