@@ -43,7 +43,7 @@ def _collectives_worker(rank: int, world: int) -> list[str]:
             mine = _rank_data(rank, numel, dtype, seed)
             for op, divisor in ((dist.ReduceOp.SUM, None), (dist.ReduceOp.AVG, float(world))):
                 want = _reference(world, numel, dtype, seed, divisor)
-                for algorithm, piece in (("gather", None), ("scatter", None), ("scatter", 4096)):
+                for algorithm, piece in (("gather", None), ("scatter", None), ("scatter", 65536)):
                     t = mine.clone()
                     if piece:  # the scatter pipeline in many pieces (the last one padded)
                         saved, rd.SCATTER_PIECE_BYTES = rd.SCATTER_PIECE_BYTES, piece
