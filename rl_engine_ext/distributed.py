@@ -62,8 +62,9 @@ SYMMETRIC_MEMORY_ENV = "RL_ENGINE_EXT_DIST_SYMMETRIC_MEMORY"  # "0": never use s
 # reduce_scatter), from benchmarks/bench_distributed.py on H100s (docs/perf/distributed.md).
 GATHER_MAX_BYTES = 64 * 1024  # portable all_reduce: gather up to here, scatter above
 ONE_SHOT_MAX_BYTES = 1024 * 1024  # symmetric memory all_reduce: one_shot up to here, two_shot above
-SYMMETRIC_MEMORY_MAX_BYTES = 256 * 1024 * 1024  # larger messages go through torch.distributed (scatter)
-SCATTER_PIECE_BYTES = 16 * 1024 * 1024  # the scatter algorithm's pipeline pieces
+# Symmetric-memory messages go through in pieces of at most this many bytes of slots: the workspace
+# is 3 such regions per (group, stream).
+PEER_PIECE_BYTES = 64 * 1024 * 1024
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -168,45 +169,35 @@ def _algorithm(fn: str, requested: str | None, allowed: tuple[str, ...]) -> str 
 @dataclasses.dataclass
 class _Workspace:
     """A symmetric buffer of every rank of a group (torch symmetric memory), mapped into each GPU:
-    two data regions used in turn, a result region and the flags of the kernels' barrier
-    (csrc/common/rank_sum.h, PeerSumOperands), each region ``region_bytes``. Call k copies its input
-    into data region k % 2: a rank still reading call k-1's data reads the other region, and every
-    rank has finished call k-2 before it arrives at call k-1's barrier, so one barrier per shot
-    suffices. two_shot's summed segments go to the result region after its first barrier, when
-    every rank has finished reading the previous call's results."""
+    two slot regions used in turn, a gather region and the flags of the kernel's barrier
+    (csrc/common/rank_sum.h, PeerSumOperands), each region ``region_bytes``. Call k's data goes to
+    slot region k % 2: a rank still folding call k-1's slots folds the other region, and every rank
+    has finished call k-2 before it arrives at call k-1's first barrier, so the regions are never
+    written while read. two_shot writes the gather region only after its first barrier, when every
+    rank has finished the previous call."""
 
-    handle: object
-    buffer: torch.Tensor
     region_bytes: int
     rank: int
-    data: tuple[list[int], list[int]]  # every rank's data region k, k = 0, 1
-    result: list[int]
+    slots: tuple[list[int], list[int]]  # every rank's slot region k, k = 0, 1
+    gather: list[int]
     flags: list[int]
+    handle: object  # keeps the buffer mapped
+    buffer: torch.Tensor
     calls: int = 0
     epoch: int = 0
-    views: dict = dataclasses.field(default_factory=dict)
 
-    def next_call(self) -> tuple[list[int], int]:
-        """The data regions of this call and the epoch of its first barrier."""
+    def next_call(self, barriers: int) -> tuple[list[int], int]:
+        """This call's slot regions and its first barrier's epoch (``barriers`` epochs reserved)."""
         self.calls += 1
-        self.epoch += 1
-        return self.data[self.calls % 2], self.epoch
-
-    def result_view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's result region, elements offset .. offset + numel - 1 (cached: a view costs
-        more host time than a decode-size collective)."""
-        key = (offset, numel, dtype)
-        view = self.views.get(key)
-        if view is None:
-            if len(self.views) >= 1024:
-                self.views.clear()
-            view = self.handle.get_buffer(self.rank, (numel,), dtype, 2 * self.region_bytes // dtype.itemsize + offset)
-            self.views[key] = view
-        return view
+        epoch = self.epoch + 1
+        self.epoch += barriers
+        return self.slots[self.calls % 2], epoch
 
 
-_WORKSPACES: dict[tuple[str, int, int], _Workspace] = {}
-_SYMMETRIC_OK: dict[str, bool] = {}
+_WORKSPACES: dict[tuple, _Workspace] = {}
+_SYMMETRIC_OK: dict[dist.ProcessGroup, bool] = {}
+_PEER_REDUCE = None  # torch.ops.rl_align.peer_reduce.default, bound on first use
+_ONE_SHOT, _REDUCE_SCATTER, _TWO_SHOT = 0, 1, 2  # peer_reduce's modes (common/rank_sum.h, PeerMode)
 
 
 def _symmetric_memory_usable(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
@@ -215,8 +206,8 @@ def _symmetric_memory_usable(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
     rank takes a path the others do not; computed once per group (its first CUDA call is collective)."""
     if t.device.type != "cuda" or os.environ.get(SYMMETRIC_MEMORY_ENV, "") == "0":
         return False
-    name = group.group_name
-    if name not in _SYMMETRIC_OK:
+    ok = _SYMMETRIC_OK.get(group)
+    if ok is None:
         hosts: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         ok = len(set(hosts)) == 1 and "nccl" in str(dist.get_backend(group)) and has_native_kernel("rank_sum", "cuda")
@@ -225,8 +216,8 @@ def _symmetric_memory_usable(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
                 import torch.distributed._symmetric_memory  # noqa: F401
             except ImportError:
                 ok = False
-        _SYMMETRIC_OK[name] = ok
-    return _SYMMETRIC_OK[name]
+        _SYMMETRIC_OK[group] = ok
+    return ok
 
 
 def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _Workspace:
@@ -234,7 +225,7 @@ def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _
     when it is made or grows: every rank does so in the same call, since every rank passes the same
     message). One workspace per stream: collectives on two streams (FSDP2's reduce-scatter stream and
     the compute stream) may run at once, and must not share buffers or flags."""
-    key = (group.group_name, device.index, torch.cuda.current_stream(device).stream_id)
+    key = (group, device.index, torch._C._cuda_getCurrentStream(device.index)[0])
     ws = _WORKSPACES.get(key)
     if ws is not None and ws.region_bytes >= nbytes:
         return ws
@@ -243,46 +234,54 @@ def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _
     region = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
     if ws is not None:
         region = max(region, ws.region_bytes * 2)
+    name = group.group_name
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(key[0]):
-            symm_mem.enable_symm_mem_for_group(key[0])
+        if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(name):
+            symm_mem.enable_symm_mem_for_group(name)
     buffer = symm_mem.empty(3 * region + RANK_SUM_PEER_FLAG_BYTES, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(buffer, key[0])
+    handle = symm_mem.rendezvous(buffer, name)
     buffer[3 * region:].zero_()
     handle.barrier()  # every rank's flags are zero before any rank's kernel signals
     ptrs = list(handle.buffer_ptrs)
-    ws = _Workspace(handle, buffer, region, dist.get_rank(group), ([p for p in ptrs], [p + region for p in ptrs]),
-                    [p + 2 * region for p in ptrs], [p + 3 * region for p in ptrs])
+    ws = _Workspace(region, dist.get_rank(group), (ptrs, [p + region for p in ptrs]), [p + 2 * region for p in ptrs],
+                    [p + 3 * region for p in ptrs], handle, buffer)
     _WORKSPACES[key] = ws
     return ws
 
 
-def _peer_all_reduce(group, flat: torch.Tensor, divisor: float | None, two_shot: bool) -> None:
-    """one_shot: one kernel (copy in, barrier, every rank's whole message summed in place).
-    two_shot: each rank sums its segment into its result region, then (second barrier) reads every
-    rank's summed segment."""
-    numel = flat.numel()
-    world = dist.get_world_size(group)
-    segment = _slice(numel, world) if two_shot else numel
-    ws = _workspace(group, flat.device, max(numel, segment * world if two_shot else 0) * flat.element_size())
-    data, epoch = ws.next_call()
-    if not two_shot:
-        torch.ops.rl_align.peer_rank_sum(flat, flat, data, ws.flags, ws.rank, segment, 0, epoch, divisor)
-        return
-    own = max(0, min(segment, numel - ws.rank * segment))
-    mine = ws.result_view(ws.rank * segment, own, flat.dtype)
-    torch.ops.rl_align.peer_rank_sum(flat, mine, data, ws.flags, ws.rank, segment, ws.rank, epoch, divisor)
-    ws.epoch += 1
-    torch.ops.rl_align.peer_gather(flat, ws.result, ws.flags, ws.rank, segment, ws.epoch)
+def _peer_reduce(group, world: int, mode: int, flat_in: torch.Tensor, out: torch.Tensor, segment: int,
+                 divisor: float | None, input_stride: int | None = None) -> None:
+    """One peer_reduce kernel (csrc/common/rank_sum.h): one_shot, reduce_scatter or two_shot."""
+    global _PEER_REDUCE
+    if _PEER_REDUCE is None:
+        _PEER_REDUCE = torch.ops.rl_align.peer_reduce.default
+    elem = flat_in.element_size()
+    slot_bytes = world * (flat_in.numel() if mode == _ONE_SHOT else segment) * elem
+    ws = _workspace(group, flat_in.device, slot_bytes)
+    slots, epoch = ws.next_call(2 if mode == _TWO_SHOT else 1)
+    _PEER_REDUCE(flat_in, out, mode, slots, ws.gather, ws.flags, ws.rank, segment,
+                 segment if input_stride is None else input_stride, epoch, divisor)
 
 
-def _peer_reduce_scatter(group, flat_in: torch.Tensor, out: torch.Tensor, divisor: float | None) -> None:
-    """One kernel: copy in, barrier, this rank's segment summed over every rank's buffer."""
-    ws = _workspace(group, flat_in.device, flat_in.numel() * flat_in.element_size())
-    data, epoch = ws.next_call()
-    torch.ops.rl_align.peer_rank_sum(flat_in, out.view(-1), data, ws.flags, ws.rank, out.numel(), ws.rank, epoch,
-                                     divisor)
+def _two_shot_all_reduce(group, world: int, flat: torch.Tensor, divisor: float | None) -> None:
+    """two_shot in pieces of at most PEER_PIECE_BYTES (whole slices each): an element's sum does
+    not depend on the piece it travels in."""
+    piece = max(world * 8, PEER_PIECE_BYTES // flat.element_size() // (world * 8) * (world * 8))
+    for lo in range(0, flat.numel(), piece):
+        part = flat[lo:lo + piece]
+        _peer_reduce(group, world, _TWO_SHOT, part, part, _slice(part.numel(), world), divisor)
+
+
+def _two_shot_reduce_scatter(group, world: int, flat_in: torch.Tensor, out: torch.Tensor,
+                             divisor: float | None) -> None:
+    """reduce_scatter over symmetric memory in pieces of at most PEER_PIECE_BYTES of input: piece k
+    is elements [k p, (k + 1) p) of every rank's slice."""
+    m = out.numel()
+    piece = max(8, PEER_PIECE_BYTES // flat_in.element_size() // world // 8 * 8)
+    for lo in range(0, m, piece):
+        hi = min(lo + piece, m)
+        _peer_reduce(group, world, _REDUCE_SCATTER, flat_in[lo:], out[lo:hi], hi - lo, divisor, input_stride=m)
 
 
 def _slice(numel: int, world: int) -> int:
@@ -296,88 +295,33 @@ def _slice(numel: int, world: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _gather_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> None:
-    world = dist.get_world_size(group)
-    flat = tensor.view(-1)
-    every = torch.empty(world * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+def _gather_all_reduce(group, world: int, flat: torch.Tensor, divisor: float | None) -> None:
+    every = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     _all_gather(every, flat, group=group)
     flat.copy_(rank_sum(list(every.view(world, -1).unbind(0)), divisor))
 
 
-def _pieces(numel: int, elem: int, world: int) -> list[tuple[int, int]]:
-    """The scatter algorithm's pipeline pieces of a message: [lo, hi) ranges of about
-    SCATTER_PIECE_BYTES, each but the last a multiple of W x 16 bytes (whole slices)."""
-    step = world * 8
-    piece = max(step, SCATTER_PIECE_BYTES // elem // step * step)
-    return [(lo, min(lo + piece, numel)) for lo in range(0, numel, piece)]
+def _scatter_sum(group, world: int, flat_in: torch.Tensor, chunk: int, divisor: float | None) -> torch.Tensor:
+    """all_to_all of W slices of ``chunk`` elements (flat_in padded to W * chunk), then this
+    rank's slice summed over the ranks."""
+    if flat_in.numel() != world * chunk:
+        flat_in = torch.cat([flat_in, flat_in.new_zeros(world * chunk - flat_in.numel())])
+    received = torch.empty_like(flat_in)
+    dist.all_to_all_single(received, flat_in, group=group)
+    return rank_sum(list(received.view(world, chunk).unbind(0)), divisor)
 
 
-def _scatter_all_reduce(group, tensor: torch.Tensor, divisor: float | None) -> None:
-    """Per piece: all_to_all of W slices, this rank's slice summed, all_gather of the sums into
-    the tensor. Piece k + 1's exchange is issued before piece k is summed, so the sum overlaps it."""
-    world = dist.get_world_size(group)
-    flat = tensor.view(-1)
-
-    def exchange(lo: int, hi: int):
-        send = flat[lo:hi]
-        chunk = _slice(hi - lo, world)
-        if send.numel() != world * chunk:
-            send = torch.cat([send, send.new_zeros(world * chunk - send.numel())])
-        received = torch.empty_like(send)
-        return lo, hi, chunk, received, dist.all_to_all_single(received, send, group=group, async_op=True)
-
-    def finish(lo: int, hi: int, chunk: int, received: torch.Tensor, work) -> None:
-        work.wait()
-        mine = rank_sum(list(received.view(world, chunk).unbind(0)), divisor)
-        if hi - lo == world * chunk:
-            _all_gather(flat[lo:hi], mine, group=group)
-        else:
-            gathered = torch.empty(world * chunk, dtype=flat.dtype, device=flat.device)
-            _all_gather(gathered, mine, group=group)
-            flat[lo:hi].copy_(gathered[: hi - lo])
-
-    pieces = _pieces(flat.numel(), flat.element_size(), world)
-    current = exchange(*pieces[0])
-    for nxt in pieces[1:]:
-        following = exchange(*nxt)
-        finish(*current)
-        current = following
-    finish(*current)
-
-
-def _scatter_reduce_scatter(group, flat_in: torch.Tensor, out: torch.Tensor, divisor: float | None) -> None:
-    """all_to_all of the W slices, this rank's slice summed into ``out``. On NCCL in pieces of the
-    slices (list all_to_all of contiguous views), piece k + 1's exchange overlapping piece k's sum;
-    on other backends (gloo has only all_to_all_single) in one exchange."""
-    world = dist.get_world_size(group)
-    m = out.numel()
-    flat_out = out.view(-1)
-    if "nccl" not in str(dist.get_backend(group)):
-        received = torch.empty_like(flat_in)
-        dist.all_to_all_single(received, flat_in, group=group)
-        flat_out.copy_(rank_sum(list(received.view(world, m).unbind(0)), divisor))
+def _scatter_all_reduce(group, world: int, flat: torch.Tensor, divisor: float | None) -> None:
+    """all_to_all, this rank's slice summed, all_gather of the sums (straight into the tensor when
+    it is W whole slices)."""
+    chunk = _slice(flat.numel(), world)
+    mine = _scatter_sum(group, world, flat, chunk, divisor)
+    if flat.numel() == world * chunk:
+        _all_gather(flat, mine, group=group)
         return
-    rows = flat_in.view(world, m)
-
-    def exchange(lo: int, hi: int):
-        received = torch.empty(world, hi - lo, dtype=flat_in.dtype, device=flat_in.device)
-        work = dist.all_to_all(list(received.unbind(0)), [rows[r, lo:hi] for r in range(world)], group=group,
-                               async_op=True)
-        return lo, hi, received, work
-
-    def finish(lo: int, hi: int, received: torch.Tensor, work) -> None:
-        work.wait()
-        flat_out[lo:hi].copy_(rank_sum(list(received.unbind(0)), divisor))
-
-    pieces = _pieces(m * world, flat_in.element_size(), world)
-    per = pieces[0][1] // world  # output elements per piece
-    ranges = [(lo, min(lo + per, m)) for lo in range(0, m, per)]
-    current = exchange(*ranges[0])
-    for nxt in ranges[1:]:
-        following = exchange(*nxt)
-        finish(*current)
-        current = following
-    finish(*current)
+    gathered = torch.empty(world * chunk, dtype=flat.dtype, device=flat.device)
+    _all_gather(gathered, mine, group=group)
+    flat.copy_(gathered[: flat.numel()])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,21 +350,26 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     nbytes = tensor.numel() * tensor.element_size()
     symmetric = _symmetric_memory_usable(group, tensor)
     if name is None:
-        if symmetric and nbytes <= SYMMETRIC_MEMORY_MAX_BYTES:
+        if symmetric:
             name = "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
         else:
             name = "gather" if nbytes <= GATHER_MAX_BYTES else "scatter"
     elif name in ("one_shot", "two_shot") and not symmetric:
         raise _fail(fn, f"algorithm {name!r} needs CUDA tensors, an NCCL group on one host and torch's symmetric "
                         "memory; use 'gather' or 'scatter'")
+    flat = tensor.view(-1)
     if name == "gather":
-        _gather_all_reduce(group, tensor, divisor)
+        _gather_all_reduce(group, world, flat, divisor)
     elif name == "scatter":
-        _scatter_all_reduce(group, tensor, divisor)
+        _scatter_all_reduce(group, world, flat, divisor)
     elif name == "one_shot":
-        _peer_all_reduce(group, tensor.view(-1), divisor, two_shot=False)
+        # slots for W copies of the message: pieces of PEER_PIECE_BYTES / W (auto: one piece)
+        piece = max(8, PEER_PIECE_BYTES // world // flat.element_size() // 8 * 8)
+        for lo in range(0, flat.numel(), piece):
+            part = flat[lo:lo + piece]
+            _peer_reduce(group, world, _ONE_SHOT, part, part, part.numel(), divisor)
     else:
-        _peer_all_reduce(group, tensor.view(-1), divisor, two_shot=True)
+        _two_shot_all_reduce(group, world, flat, divisor)
     return _done(async_op)
 
 
@@ -451,16 +400,15 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         output.view(-1).copy_(rank_sum([input.view(-1)], divisor))
         return _done(async_op)
     symmetric = _symmetric_memory_usable(group, input)
-    nbytes = input.numel() * input.element_size()
     if name is None:
-        name = "two_shot" if symmetric and nbytes <= SYMMETRIC_MEMORY_MAX_BYTES else "scatter"
+        name = "two_shot" if symmetric else "scatter"
     elif name == "two_shot" and not symmetric:
         raise _fail(fn, "algorithm 'two_shot' needs CUDA tensors, an NCCL group on one host and torch's symmetric "
                         "memory; use 'scatter'")
     if name == "two_shot":
-        _peer_reduce_scatter(group, input.view(-1), output, divisor)
+        _two_shot_reduce_scatter(group, world, input.view(-1), output.view(-1), divisor)
     else:
-        _scatter_reduce_scatter(group, input.view(-1), output, divisor)
+        output.view(-1).copy_(_scatter_sum(group, world, input.view(-1), output.numel(), divisor))
     return _done(async_op)
 
 

@@ -78,33 +78,47 @@ struct RankSumTree {
   }
 };
 
-// The symmetric-memory collectives' fused kernels (rl_engine_ext.distributed, one_shot / two_shot):
-// every rank's workspace holds its data region and its flags; `buffer[r]` / `flags[r]` are rank r's,
-// mapped into this GPU. The message (numel elements) is `segments` segments of `segment` elements
-// (the last one shorter), each split into the same contiguous block ranges on every rank (a function
-// of segment and dtype only), so block b of every rank handles the same elements.
-//   peer_rank_sum: block b copies its range of every segment of `input` into buffer[rank], signals
-//     every rank, waits for every rank's block b (flags), then folds segment `segment_index`'s range
-//     over buffer[0 .. parts-1] with RankSumTree into `out` (out may be input: in place).
-//   peer_gather: block b signals and waits likewise, then copies segment r's range from buffer[r]
-//     into `out` for every r (two_shot's second shot: buffer[r] holds rank r's summed segment).
-// Flags: flags[r][b * kRankSumMaxParts + sender] = the epoch of the sender's latest arrival
-// (monotonic: a rank is at most one call ahead of another, so waiting for >= epoch suffices).
+// The symmetric-memory collectives' kernel (rl_engine_ext.distributed: one_shot, two_shot): every
+// rank's workspace holds a slot region, a gather region and the flags of a barrier, mapped into
+// every GPU of the group; `slots[r]`, `gather[r]`, `flags[r]` are rank r's. Data moves by stores
+// into the receiving rank's memory (NVLink writes are faster than reads), and every fold reads
+// local memory only. The message (numel elements) is `segments` segments of `segment` elements
+// (the last one shorter); each segment is split into the same contiguous block ranges on every
+// rank (a function of the segment length and the dtype only), so block b of every rank moves and
+// folds the same elements, and a barrier per block (block b of every rank) is enough:
+//   kOneShot       segment = the message. Block b stores its range of the message into slot `rank`
+//                  of every rank, meets block b of every rank, folds its range over its own W slots
+//                  (slot q = rank q's message) into out.
+//   kReduceScatter the message is W segments; segment s goes to slot `rank` of rank s. After the
+//                  barrier, each rank folds its slots (every rank's segment `rank`) into out (one
+//                  segment).
+//   kTwoShot       as kReduceScatter, then the folded range goes to every rank's gather region (at
+//                  segment `rank`); a second barrier; then block b copies its range of every segment
+//                  from its own gather region into out (the whole message).
+// Flags: flags[r][b * kRankSumMaxParts + sender] = the epoch of the sender's latest arrival there
+// (monotonic: a rank is at most one barrier ahead of another, so waiting for >= epoch suffices).
+// out may be input (in place): block b reads its input range before it writes that range. A message
+// larger than the workspace goes through in pieces, one launch each (rl_engine_ext.distributed).
 constexpr int kPeerMaxBlocks = 128;
 constexpr int64_t kPeerFlagBytes = int64_t{kPeerMaxBlocks} * kRankSumMaxParts * 4;
 
+enum class PeerMode : int { kOneShot = 0, kReduceScatter = 1, kTwoShot = 2 };
+
 struct PeerSumOperands {
+  PeerMode mode = PeerMode::kOneShot;
   int parts = 0;
   int rank = 0;
-  int64_t numel = 0;
-  int64_t segment = 0;       // elements per segment
+  int64_t numel = 0;         // the message
+  int64_t segment = 0;       // elements per segment (the slot size)
+  int64_t input_stride = 0;  // elements between the starts of consecutive segments in input (kReduceScatter
+                             // of a piece of a larger message: the whole message's segment; else segment)
   int segments = 1;
-  int segment_index = 0;     // peer_rank_sum: the segment this rank sums
   const void* input = nullptr;
   void* out = nullptr;
-  void* buffer[kRankSumMaxParts] = {};
+  void* slots[kRankSumMaxParts] = {};
+  void* gather[kRankSumMaxParts] = {};
   unsigned int* flags[kRankSumMaxParts] = {};
-  unsigned int epoch = 0;
+  unsigned int epoch = 0;  // the first barrier's; kTwoShot's second is epoch + 1
   float divisor = 0.f;
 };
 

@@ -29,26 +29,45 @@ constexpr int kLoadBatch = 8;
 #define RL_ALIGN_GRID_CONSTANT __grid_constant__
 #endif
 
-// The fold of one 16-byte group (elements first .. first + VEC - 1, those below `end`) over the
-// parts: part(r) is part r's group start. All W loads of a batch are issued before they are folded.
-template <typename T, int VEC, bool VECTOR_IO, typename PartPtr>
+// One 16-byte group (elements first .. first + VEC - 1, those below `end`) of src. BYPASS_L1:
+// memory other GPUs wrote (symmetric memory), read through L2 only, never a stale L1 line.
+template <typename T, int VEC, bool VECTOR_IO, bool BYPASS_L1 = false>
+__device__ __forceinline__ Pack<T, VEC> load_group(const T* src, int64_t first, int64_t end) {
+  Pack<T, VEC> p;
+  if (VECTOR_IO && first + VEC <= end) {
+#if !RL_ALIGN_HIP
+    if constexpr (BYPASS_L1) {
+      *reinterpret_cast<uint4*>(&p) = __ldcg(reinterpret_cast<const uint4*>(src));
+      return p;
+    }
+#endif
+    *reinterpret_cast<uint4*>(&p) = *reinterpret_cast<const uint4*>(src);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+#if !RL_ALIGN_HIP
+      if constexpr (BYPASS_L1) {
+        p.v[j] = first + j < end ? __ldcg(src + j) : Convert<T>::from_float(0.f);
+        continue;
+      }
+#endif
+      p.v[j] = first + j < end ? src[j] : Convert<T>::from_float(0.f);
+    }
+  }
+  return p;
+}
+
+// The fold of one group over the parts: part(r) is part r's group start. All loads of a batch of
+// parts are issued before they are folded.
+template <typename T, int VEC, bool VECTOR_IO, bool BYPASS_L1 = false, typename PartPtr>
 __device__ __forceinline__ Pack<T, VEC> fold_group(int parts, PartPtr part, int64_t first, int64_t end,
                                                    float divisor) {
-  const bool whole = VECTOR_IO && first + VEC <= end;
   RankSumTree tree[VEC];
   for (int r0 = 0; r0 < parts; r0 += kLoadBatch) {
     Pack<T, VEC> p[kLoadBatch];
 #pragma unroll
     for (int b = 0; b < kLoadBatch; ++b) {
-      if (r0 + b < parts) {
-        const T* src = part(r0 + b);
-        if (whole) {
-          *reinterpret_cast<uint4*>(&p[b]) = *reinterpret_cast<const uint4*>(src);
-        } else {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) p[b].v[j] = first + j < end ? src[j] : Convert<T>::from_float(0.f);
-        }
-      }
+      if (r0 + b < parts) p[b] = load_group<T, VEC, VECTOR_IO, BYPASS_L1>(part(r0 + b), first, end);
     }
 #pragma unroll
     for (int b = 0; b < kLoadBatch; ++b) {
@@ -75,18 +94,6 @@ __device__ __forceinline__ void store_group(T* dst, const Pack<T, VEC>& y, int64
       if (first + j < end) dst[j] = y.v[j];
     }
   }
-}
-
-template <typename T, int VEC, bool VECTOR_IO>
-__device__ __forceinline__ void copy_group(T* dst, const T* src, int64_t first, int64_t end) {
-  Pack<T, VEC> y;
-  if (VECTOR_IO && first + VEC <= end) {
-    *reinterpret_cast<uint4*>(&y) = *reinterpret_cast<const uint4*>(src);
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) y.v[j] = first + j < end ? src[j] : Convert<T>::from_float(0.f);
-  }
-  store_group<T, VEC, VECTOR_IO>(dst, y, first, end);
 }
 
 template <typename T, bool VECTOR_IO>
@@ -127,21 +134,21 @@ __device__ __forceinline__ unsigned int load_acquire_sys(const unsigned int* p) 
 #endif
 }
 
-// Block b's barrier with block b of every rank: this block's earlier writes (its copy into its
-// own buffer) are made visible to the system, then each of the first `parts` threads tells one
-// rank this block has arrived at `epoch` and waits until that rank's block b has arrived too.
-__device__ __forceinline__ void block_barrier(const PeerSumOperands& a) {
+// Block b's barrier with block b of every rank at `epoch`: this block's earlier stores (into other
+// ranks' memory too) are made visible to the system, then each of the first `parts` threads tells
+// one rank that this block has arrived and waits until that rank's block b has arrived too.
+__device__ __forceinline__ void block_barrier(const PeerSumOperands& a, unsigned int epoch) {
   __threadfence_system();
   __syncthreads();
   const int peer = threadIdx.x;
   if (peer < a.parts) {
-    store_release_sys(a.flags[peer] + blockIdx.x * kRankSumMaxParts + a.rank, a.epoch);
+    store_release_sys(a.flags[peer] + blockIdx.x * kRankSumMaxParts + a.rank, epoch);
     const unsigned int* mine = a.flags[a.rank] + blockIdx.x * kRankSumMaxParts + peer;
     const long long start = clock64();
-    while (static_cast<int>(load_acquire_sys(mine) - a.epoch) < 0) {
+    while (static_cast<int>(load_acquire_sys(mine) - epoch) < 0) {
       if (clock64() - start > kSpinTimeoutCycles) {
-        printf("rl_align::peer collective: rank %d block %d waited too long for rank %d (epoch %u)\n", a.rank,
-               static_cast<int>(blockIdx.x), peer, a.epoch);
+        printf("rl_align::peer_reduce: rank %d block %d waited too long for rank %d (epoch %u)\n", a.rank,
+               static_cast<int>(blockIdx.x), peer, epoch);
 #if RL_ALIGN_HIP
         abort();
 #else
@@ -154,7 +161,7 @@ __device__ __forceinline__ void block_barrier(const PeerSumOperands& a) {
 }
 
 // Calls body(first, end) for this block's groups of segment s: elements [first, first + VEC) of
-// the message below end (the range's end, clipped to the message).
+// the message below end (the block range's end, clipped to the message).
 template <int VEC, typename Body>
 __device__ __forceinline__ void for_block_groups(const PeerSumOperands& a, int64_t chunk, int s, Body&& body) {
   const int64_t base = static_cast<int64_t>(s) * a.segment;
@@ -167,36 +174,58 @@ __device__ __forceinline__ void for_block_groups(const PeerSumOperands& a, int64
   }
 }
 
-template <typename T, bool VECTOR_IO>
+template <typename T, bool VECTOR_IO, PeerMode MODE>
 __global__ void __launch_bounds__(kBlockThreads)
-    peer_rank_sum_kernel(const RL_ALIGN_GRID_CONSTANT PeerSumOperands a, int64_t chunk) {
+    peer_reduce_kernel(const RL_ALIGN_GRID_CONSTANT PeerSumOperands a, int64_t chunk) {
   constexpr int VEC = 16 / sizeof(T);
-  T* mine = static_cast<T*>(a.buffer[a.rank]);
   const T* in = static_cast<const T*>(a.input);
-  for (int s = 0; s < a.segments; ++s) {
-    for_block_groups<VEC>(a, chunk, s, [&](int64_t first, int64_t end) {
-      copy_group<T, VEC, VECTOR_IO>(mine + first, in + first, first, end);
+  T* out = static_cast<T*>(a.out);
+  // 1. Push: this block's range of the message into the receivers' slots.
+  if constexpr (MODE == PeerMode::kOneShot) {
+    for_block_groups<VEC>(a, chunk, 0, [&](int64_t first, int64_t end) {
+      const Pack<T, VEC> y = load_group<T, VEC, VECTOR_IO>(in + first, first, end);
+      for (int p = 0; p < a.parts; ++p) {
+        store_group<T, VEC, VECTOR_IO>(static_cast<T*>(a.slots[p]) + a.rank * a.segment + first, y, first, end);
+      }
+    });
+  } else {
+    for (int s = 0; s < a.segments; ++s) {
+      const int64_t base = static_cast<int64_t>(s) * a.segment;
+      T* slot = static_cast<T*>(a.slots[s]) + a.rank * a.segment - base;
+      const T* src = in + static_cast<int64_t>(s) * a.input_stride - base;
+      for_block_groups<VEC>(a, chunk, s, [&](int64_t first, int64_t end) {
+        store_group<T, VEC, VECTOR_IO>(slot + first, load_group<T, VEC, VECTOR_IO>(src + first, first, end), first, end);
+      });
+    }
+  }
+  block_barrier(a, a.epoch);
+  // 2. Fold this rank's segment over its slots (local memory the other ranks wrote).
+  const int own = MODE == PeerMode::kOneShot ? 0 : a.rank;
+  if (own < a.segments) {  // a rank past the last segment (a short message) folds nothing
+    const int64_t base = static_cast<int64_t>(own) * a.segment;
+    const T* slots = static_cast<const T*>(a.slots[a.rank]) - base;
+    for_block_groups<VEC>(a, chunk, own, [&](int64_t first, int64_t end) {
+      const Pack<T, VEC> y = fold_group<T, VEC, VECTOR_IO, true>(
+          a.parts, [&](int q) { return slots + q * a.segment + first; }, first, end, a.divisor);
+      if constexpr (MODE == PeerMode::kTwoShot) {
+        for (int p = 0; p < a.parts; ++p) store_group<T, VEC, VECTOR_IO>(static_cast<T*>(a.gather[p]) + first, y, first, end);
+      } else if constexpr (MODE == PeerMode::kOneShot) {
+        store_group<T, VEC, VECTOR_IO>(out + first, y, first, end);
+      } else {
+        store_group<T, VEC, VECTOR_IO>(out + (first - base), y, first, end);
+      }
     });
   }
-  block_barrier(a);
-  const int64_t base = static_cast<int64_t>(a.segment_index) * a.segment;
-  for_block_groups<VEC>(a, chunk, a.segment_index, [&](int64_t first, int64_t end) {
-    const Pack<T, VEC> y = fold_group<T, VEC, VECTOR_IO>(
-        a.parts, [&](int r) { return static_cast<const T*>(a.buffer[r]) + first; }, first, end, a.divisor);
-    store_group<T, VEC, VECTOR_IO>(static_cast<T*>(a.out) + (first - base), y, first, end);
-  });
-}
-
-template <typename T, bool VECTOR_IO>
-__global__ void __launch_bounds__(kBlockThreads)
-    peer_gather_kernel(const RL_ALIGN_GRID_CONSTANT PeerSumOperands a, int64_t chunk) {
-  constexpr int VEC = 16 / sizeof(T);
-  block_barrier(a);
-  for (int s = 0; s < a.segments; ++s) {
-    const T* src = static_cast<const T*>(a.buffer[s]);
-    for_block_groups<VEC>(a, chunk, s, [&](int64_t first, int64_t end) {
-      copy_group<T, VEC, VECTOR_IO>(static_cast<T*>(a.out) + first, src + first, first, end);
-    });
+  // 3. kTwoShot: every rank's folded segments, from this rank's gather region.
+  if constexpr (MODE == PeerMode::kTwoShot) {
+    block_barrier(a, a.epoch + 1);
+    const T* gathered = static_cast<const T*>(a.gather[a.rank]);
+    for (int s = 0; s < a.segments; ++s) {
+      for_block_groups<VEC>(a, chunk, s, [&](int64_t first, int64_t end) {
+        store_group<T, VEC, VECTOR_IO>(out + first, load_group<T, VEC, VECTOR_IO, true>(gathered + first, first, end),
+                                       first, end);
+      });
+    }
   }
 }
 
@@ -211,29 +240,28 @@ bool vector_io_ok(const RankSumOperands& a) {
 }
 
 bool peer_vector_io_ok(const PeerSumOperands& a, int elem) {
-  if (!aligned16(a.input) || !aligned16(a.out) || (a.segment * elem) % 16 != 0) return false;
+  if (!aligned16(a.input) || !aligned16(a.out) || (a.segment * elem) % 16 != 0 || (a.input_stride * elem) % 16 != 0) {
+    return false;
+  }
   for (int r = 0; r < a.parts; ++r) {
-    if (!aligned16(a.buffer[r])) return false;
+    if (!aligned16(a.slots[r]) || (a.mode == PeerMode::kTwoShot && !aligned16(a.gather[r]))) return false;
   }
   return true;
 }
 
-template <bool GATHER>
-gpuError_t peer_launch(DType dtype, const PeerSumOperands& a, gpuStream_t stream) {
-  if (a.numel == 0) return kGpuSuccess;
-  return dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    const PeerBlocks pb = peer_blocks(a.segment, static_cast<int>(sizeof(T)));
-    const bool vec = peer_vector_io_ok(a, static_cast<int>(sizeof(T)));
-    if constexpr (GATHER) {
-      const auto kernel = vec ? peer_gather_kernel<T, true> : peer_gather_kernel<T, false>;
-      kernel<<<pb.blocks, kBlockThreads, 0, stream>>>(a, pb.chunk);
-    } else {
-      const auto kernel = vec ? peer_rank_sum_kernel<T, true> : peer_rank_sum_kernel<T, false>;
-      kernel<<<pb.blocks, kBlockThreads, 0, stream>>>(a, pb.chunk);
-    }
-    return gpu_last_error();
-  }, gpu_not_supported);
+template <typename T, bool VECTOR_IO>
+void launch_peer(const PeerSumOperands& a, PeerBlocks pb, gpuStream_t stream) {
+  switch (a.mode) {
+    case PeerMode::kOneShot:
+      peer_reduce_kernel<T, VECTOR_IO, PeerMode::kOneShot><<<pb.blocks, kBlockThreads, 0, stream>>>(a, pb.chunk);
+      break;
+    case PeerMode::kReduceScatter:
+      peer_reduce_kernel<T, VECTOR_IO, PeerMode::kReduceScatter><<<pb.blocks, kBlockThreads, 0, stream>>>(a, pb.chunk);
+      break;
+    case PeerMode::kTwoShot:
+      peer_reduce_kernel<T, VECTOR_IO, PeerMode::kTwoShot><<<pb.blocks, kBlockThreads, 0, stream>>>(a, pb.chunk);
+      break;
+  }
 }
 
 }  // namespace
@@ -247,12 +275,18 @@ PeerBlocks peer_blocks(int64_t segment, int elem) {
   return {static_cast<int>(std::max<int64_t>(1, ceil_div(segment, chunk))), chunk};
 }
 
-gpuError_t peer_rank_sum_simt(DType dtype, const PeerSumOperands& a, gpuStream_t stream) {
-  return peer_launch<false>(dtype, a, stream);
-}
-
-gpuError_t peer_gather_simt(DType dtype, const PeerSumOperands& a, gpuStream_t stream) {
-  return peer_launch<true>(dtype, a, stream);
+gpuError_t peer_reduce_simt(DType dtype, const PeerSumOperands& a, gpuStream_t stream) {
+  if (a.numel == 0) return kGpuSuccess;
+  return dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const PeerBlocks pb = peer_blocks(a.segment, static_cast<int>(sizeof(T)));
+    if (peer_vector_io_ok(a, static_cast<int>(sizeof(T)))) {
+      launch_peer<T, true>(a, pb, stream);
+    } else {
+      launch_peer<T, false>(a, pb, stream);
+    }
+    return gpu_last_error();
+  }, gpu_not_supported);
 }
 
 gpuError_t rank_sum_simt(DType dtype, const RankSumOperands& a, gpuStream_t stream) {
