@@ -13,14 +13,15 @@ the sum is the same:
     gather     all_gather of every rank's tensor, each rank sums all   any backend (all_reduce)
     scatter    all_to_all: each rank gets its 1/W slice from every      any backend
                rank and sums it; all_reduce then all_gathers the slices
-    one_shot   symmetric memory: each rank reads every peer's tensor    CUDA, one host (all_reduce)
-               over NVLink (peer-to-peer loads) and sums all of it
-    two_shot   symmetric memory: each rank reads its slice from every   CUDA, one host
-               peer and sums it; all_reduce then reads the peers'
-               summed slices
+    one_shot   symmetric memory: each rank stores its tensor into every  CUDA, one host (all_reduce)
+               peer's memory over NVLink, then sums the W copies
+    two_shot   symmetric memory: each rank stores slice r into rank r's  CUDA, one host
+               memory, sums its own slice; all_reduce then stores the
+               summed slice into every rank's memory
 
 ``algorithm="auto"`` (the default; ``RL_ENGINE_EXT_DIST_ALGORITHM`` forces one) picks by backend and
-message size (thresholds measured on H100s: benchmarks/bench_distributed.py). The functions have
+message size (thresholds measured on 2 and 4 H200s: benchmarks/bench_distributed.py,
+benchmarks/results/distributed_h200x*.csv): symmetric memory up to TWO_SHOT_MAX_BYTES, NCCL above. The functions have
 torch.distributed's signatures (plus keyword-only ``algorithm`` and ``validate``), so a caller can
 swap the module: ``all_reduce(tensor, op, group, async_op)`` in place, ``reduce_scatter_tensor(output,
 input, op, group, async_op)``, ``all_gather_into_tensor(output, input, group, async_op)``. op: SUM or
@@ -35,8 +36,14 @@ Ranks passing different shapes or dtypes make torch's own collectives hang or fa
 where it would cost a host synchronisation per call; ``RL_ENGINE_EXT_DIST_VALIDATE=1`` turns it on)
 the ranks first exchange (numel, dtype, op) and every rank raises the same ValueError on a mismatch.
 
-NVLink multicast is never used (no multimem instructions, no cuMulticast): the symmetric-memory
-paths read peers with ordinary loads.
+The symmetric-memory kernel (one launch: each rank stores its data into the others' memory over
+NVLink, a per-block barrier on flags in that memory, a fold of local memory) spin-waits at its
+barriers on a few SMs. Do not run it at the same time as another collective of the same GPUs on
+another stream (FSDP2's reduce-scatter stream beside its all-gathers): a rank waiting there while
+its peer waits for an NCCL kernel is a deadlock. FSDP2 therefore gets the 'scatter' algorithm
+(InvariantReduceScatter); the CUDA kernel traps with a message after about 30 s rather than hang.
+NVLink multicast is never used (no multimem instructions, no cuMulticast): peers are reached with
+ordinary stores.
 """
 
 from __future__ import annotations
@@ -59,9 +66,10 @@ VALIDATE_ENV = "RL_ENGINE_EXT_DIST_VALIDATE"
 SYMMETRIC_MEMORY_ENV = "RL_ENGINE_EXT_DIST_SYMMETRIC_MEMORY"  # "0": never use symmetric memory
 
 # auto's thresholds, in bytes of the message (the tensor all_reduce sums, the input of
-# reduce_scatter), from benchmarks/bench_distributed.py on H100s (docs/perf/distributed.md).
+# reduce_scatter), from benchmarks/bench_distributed.py on 2 and 4 H200s.
 GATHER_MAX_BYTES = 64 * 1024  # portable all_reduce: gather up to here, scatter above
-ONE_SHOT_MAX_BYTES = 1024 * 1024  # symmetric memory all_reduce: one_shot up to here, two_shot above
+ONE_SHOT_MAX_BYTES = 2 * 1024 * 1024  # symmetric memory: one_shot up to here, then two_shot
+TWO_SHOT_MAX_BYTES = 8 * 1024 * 1024  # symmetric memory up to here, then scatter (NCCL moves more bytes/s)
 # Symmetric-memory messages go through in pieces of at most this many bytes of slots: the workspace
 # is 3 such regions per (group, stream).
 PEER_PIECE_BYTES = 64 * 1024 * 1024
@@ -350,7 +358,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     nbytes = tensor.numel() * tensor.element_size()
     symmetric = _symmetric_memory_usable(group, tensor)
     if name is None:
-        if symmetric:
+        if symmetric and nbytes <= TWO_SHOT_MAX_BYTES:
             name = "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
         else:
             name = "gather" if nbytes <= GATHER_MAX_BYTES else "scatter"
@@ -401,7 +409,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         return _done(async_op)
     symmetric = _symmetric_memory_usable(group, input)
     if name is None:
-        name = "two_shot" if symmetric else "scatter"
+        name = "two_shot" if symmetric and input.numel() * input.element_size() <= TWO_SHOT_MAX_BYTES else "scatter"
     elif name == "two_shot" and not symmetric:
         raise _fail(fn, "algorithm 'two_shot' needs CUDA tensors, an NCCL group on one host and torch's symmetric "
                         "memory; use 'scatter'")
@@ -447,9 +455,11 @@ class InvariantReduceScatter(_fsdp_reduce_scatter_base()):
     """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) through
     ``reduce_scatter_tensor``: the gradients' sum over the data-parallel ranks in the fixed rank
     tree. FSDP2 passes op AVG (fp32 / bf16 reduce dtypes) or SUM (with its own division after);
-    a gradient divide factor other than the group size (PREMUL_SUM) is refused by the op check."""
+    a gradient divide factor other than the group size (PREMUL_SUM) is refused by the op check.
+    The algorithm is 'scatter' (NCCL's all_to_all): FSDP2 runs its reduce-scatters on their own
+    stream beside its all-gathers, and the symmetric-memory kernels must not (module docstring)."""
 
-    def __init__(self, algorithm: str | None = None):
+    def __init__(self, algorithm: str = "scatter"):
         self.algorithm = algorithm
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -460,7 +470,7 @@ class InvariantReduceScatter(_fsdp_reduce_scatter_base()):
                                      algorithm=self.algorithm)
 
 
-def use_invariant_reduce_scatter(model: torch.nn.Module, algorithm: str | None = None) -> int:
+def use_invariant_reduce_scatter(model: torch.nn.Module, algorithm: str = "scatter") -> int:
     """Sets ``InvariantReduceScatter`` as the gradient reduce-scatter of every FSDP2 module in
     ``model`` (``torch.distributed.fsdp.fully_shard``; call after sharding). Returns how many
     modules were set; raises if there is none (an unsharded model would silently keep NCCL's)."""

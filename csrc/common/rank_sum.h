@@ -99,7 +99,10 @@ struct RankSumTree {
 // (monotonic: a rank is at most one barrier ahead of another, so waiting for >= epoch suffices).
 // out may be input (in place): block b reads its input range before it writes that range. A message
 // larger than the workspace goes through in pieces, one launch each (rl_engine_ext.distributed).
-constexpr int kPeerMaxBlocks = 128;
+// Few blocks: the kernel spin-waits at its barriers, and must leave SMs to the kernels a late rank may
+// be waiting for (another stream's NCCL kernel on this GPU): with most SMs held by spinning blocks,
+// an FSDP2 backward deadlocked (H200 x 2 and x 4).
+constexpr int kPeerMaxBlocks = 32;
 constexpr int64_t kPeerFlagBytes = int64_t{kPeerMaxBlocks} * kRankSumMaxParts * 4;
 
 enum class PeerMode : int { kOneShot = 0, kReduceScatter = 1, kTwoShot = 2 };

@@ -24,7 +24,7 @@ from ._spec import BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_
 OP = "rank_sum"
 RANK_SUM_MAX_PARTS = 64  # csrc/common/rank_sum.h: kRankSumMaxParts
 # The flags of the symmetric-memory kernels' barrier (csrc/common/rank_sum.h: kPeerFlagBytes).
-RANK_SUM_PEER_FLAG_BYTES = 128 * RANK_SUM_MAX_PARTS * 4
+RANK_SUM_PEER_FLAG_BYTES = 32 * RANK_SUM_MAX_PARTS * 4
 
 
 def check_rank_sum(parts: list[torch.Tensor], divisor: float | None = None) -> None:
