@@ -62,3 +62,26 @@ def test_use_invariant_reduce_scatter_needs_a_sharded_model():
 
     with pytest.raises(ValueError, match="no FSDP2 module in the model"):
         rd.use_invariant_reduce_scatter(torch.nn.Linear(2, 2))
+
+
+def test_example_runs_under_torchrun():
+    """examples/fsdp2_qwen3.py at 2 gloo ranks as torchrun launches it: log-probs == one process, and
+    the first step's gradients the same bits with one FSDP unit per layer and with one unit."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    digests = []
+    for extra in (["--check"], ["--one-unit"]):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               os.path.join(root, "examples", "fsdp2_qwen3.py"), "--steps", "2", *extra],
+                              env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        digests.append(re.search(r"digest (\d+)", done.stdout).group(1))
+        if extra == ["--check"]:
+            assert "every rank: True" in done.stdout, done.stdout
+    assert digests[0] == digests[1]

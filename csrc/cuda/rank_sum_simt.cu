@@ -296,8 +296,9 @@ gpuError_t rank_sum_simt(DType dtype, const RankSumOperands& a, gpuStream_t stre
     const int64_t groups = ceil_div(a.numel, static_cast<int64_t>(16 / sizeof(T)));
     const int64_t cap = static_cast<int64_t>(multiprocessor_count(current_device())) * kBlocksPerMultiprocessor;
     const int64_t blocks = ceil_div(groups, static_cast<int64_t>(kBlockThreads));
+    const unsigned grid = static_cast<unsigned>(std::min(blocks, cap));
     const auto kernel = vector_io_ok(a) ? rank_sum_kernel<T, true> : rank_sum_kernel<T, false>;
-    kernel<<<static_cast<unsigned>(blocks < cap ? blocks : cap), kBlockThreads, 0, stream>>>(a);
+    kernel<<<grid, kBlockThreads, 0, stream>>>(a);
     return gpu_last_error();
   }, gpu_not_supported);
 }
