@@ -133,6 +133,21 @@ def _check_tensor(fn: str, name: str, t: torch.Tensor) -> None:
         raise _fail(fn, f"{name} must be contiguous (as torch.distributed's collectives require)")
 
 
+def _check_whole_and_part(fn: str, world: int, whole_name: str, whole: torch.Tensor, part_name: str,
+                          part: torch.Tensor) -> None:
+    """reduce_scatter's input and output, all_gather's output and input: W parts make the whole."""
+    _check_tensor(fn, whole_name, whole)
+    _check_tensor(fn, part_name, part)
+    if whole.dtype != part.dtype:
+        raise _fail(fn, f"{whole_name} dtype {whole.dtype} differs from {part_name} dtype {part.dtype}")
+    if whole.device != part.device:
+        raise RuntimeError(f"rl_engine_ext.distributed.{fn}: {whole_name} is on {whole.device} but {part_name} is on "
+                           f"{part.device}")
+    if whole.numel() != world * part.numel():
+        raise _fail(fn, f"{whole_name} must hold world_size ({world}) x {part_name}'s {part.numel()} elements, got "
+                        f"{whole.numel()}")
+
+
 def _check_group_size(fn: str, world: int) -> None:
     if world > RANK_SUM_MAX_PARTS:
         raise _fail(fn, f"groups of at most {RANK_SUM_MAX_PARTS} ranks, got {world}")
@@ -390,14 +405,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     fn = "reduce_scatter_tensor"
     group = _group(group)
     world = dist.get_world_size(group)
-    _check_tensor(fn, "output", output)
-    _check_tensor(fn, "input", input)
-    if input.dtype != output.dtype:
-        raise _fail(fn, f"input dtype {input.dtype} differs from output dtype {output.dtype}")
-    if input.device != output.device:
-        raise RuntimeError(f"rl_engine_ext.distributed.{fn}: input is on {input.device} but output is on {output.device}")
-    if input.numel() != world * output.numel():
-        raise _fail(fn, f"input must hold world_size ({world}) x output's {output.numel()} elements, got {input.numel()}")
+    _check_whole_and_part(fn, world, "input", input, "output", output)
     _check_group_size(fn, world)
     divisor = _divisor(fn, op, world)
     name = _algorithm(fn, algorithm, ("scatter", "two_shot"))
@@ -427,13 +435,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     fn = "all_gather_into_tensor"
     group = _group(group)
     world = dist.get_world_size(group)
-    _check_tensor(fn, "output_tensor", output_tensor)
-    _check_tensor(fn, "input_tensor", input_tensor)
-    if input_tensor.dtype != output_tensor.dtype:
-        raise _fail(fn, f"input_tensor dtype {input_tensor.dtype} differs from output_tensor dtype {output_tensor.dtype}")
-    if output_tensor.numel() != world * input_tensor.numel():
-        raise _fail(fn, f"output_tensor must hold world_size ({world}) x input_tensor's {input_tensor.numel()} "
-                        f"elements, got {output_tensor.numel()}")
+    _check_whole_and_part(fn, world, "output_tensor", output_tensor, "input_tensor", input_tensor)
     _validate(fn, group, input_tensor, input_tensor.numel(), 0, validate)
     return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
