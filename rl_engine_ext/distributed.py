@@ -243,6 +243,20 @@ def _symmetric_memory_usable(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
     return ok
 
 
+def _symmetric_path(fn: str, group: dist.ProcessGroup, t: torch.Tensor, requested: str | None) -> bool:
+    """Whether the symmetric-memory algorithms may run for this call. Not under CUDA graph capture:
+    a replayed graph would repeat one call's epoch and slot region, so its barrier would not wait
+    and a rank could read another's half-written data. auto then takes the torch.distributed
+    algorithms (NCCL's collectives and rank_sum are capturable); asking for one_shot / two_shot
+    raises."""
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        if requested in ("one_shot", "two_shot"):
+            raise _fail(fn, f"algorithm {requested!r} cannot be captured in a CUDA graph (its barrier's epoch is set "
+                            "per call on the host); 'gather' and 'scatter' can")
+        return False
+    return _symmetric_memory_usable(group, t)
+
+
 def _workspace(group: dist.ProcessGroup, device: torch.device, nbytes: int) -> _Workspace:
     """The group's workspace on the current stream with regions of at least ``nbytes`` (collective
     when it is made or grows: every rank does so in the same call, since every rank passes the same
@@ -371,7 +385,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
             tensor.copy_(rank_sum([tensor], divisor))
         return _done(async_op)
     nbytes = tensor.numel() * tensor.element_size()
-    symmetric = _symmetric_memory_usable(group, tensor)
+    symmetric = _symmetric_path(fn, group, tensor, name)
     if name is None:
         if symmetric and nbytes <= TWO_SHOT_MAX_BYTES:
             name = "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
@@ -415,7 +429,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     if world == 1:
         output.view(-1).copy_(rank_sum([input.view(-1)], divisor))
         return _done(async_op)
-    symmetric = _symmetric_memory_usable(group, input)
+    symmetric = _symmetric_path(fn, group, input, name)
     if name is None:
         name = "two_shot" if symmetric and input.numel() * input.element_size() <= TWO_SHOT_MAX_BYTES else "scatter"
     elif name == "two_shot" and not symmetric:
