@@ -366,6 +366,7 @@ def _scatter_all_reduce(group, world: int, flat: torch.Tensor, divisor: float | 
 # ---------------------------------------------------------------------------------------------
 
 
+@torch.no_grad()  # like torch.distributed: the data of a tensor that requires grad, no graph
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,
                algorithm: str | None = None, validate: bool | None = None):
     """In-place sum (or average) of ``tensor`` over the group's ranks, every element summed over
@@ -410,6 +411,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     return _done(async_op)
 
 
+@torch.no_grad()  # like torch.distributed: the data of a tensor that requires grad, no graph
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False, *, algorithm: str | None = None, validate: bool | None = None):
     """``output`` = this rank's slice (slice r = elements r * n .. (r + 1) * n - 1 of ``input``,

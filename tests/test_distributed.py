@@ -255,8 +255,11 @@ def _single_rank_worker(rank: int, world: int) -> list[str]:
     rd.reduce_scatter_tensor(out, x)
     empty = torch.empty(0)
     rd.all_reduce(empty)
-    return [str(torch.equal(t, x)), str(torch.equal(avg, x)), str(torch.equal(out, x)), str(work.is_completed())]
+    leaf = x.float().requires_grad_()
+    rd.all_reduce(leaf, op=dist.ReduceOp.AVG)  # as torch.distributed: in place, no graph
+    return [str(torch.equal(t, x)), str(torch.equal(avg, x)), str(torch.equal(out, x)), str(work.is_completed()),
+            str(torch.equal(leaf.detach(), x.float()) and leaf.grad_fn is None)]
 
 
 def test_one_rank_and_async_op():
-    assert run_ranks(1, _single_rank_worker) == [["True", "True", "True", "True"]]
+    assert run_ranks(1, _single_rank_worker) == [["True", "True", "True", "True", "True"]]
