@@ -127,6 +127,7 @@ def main() -> None:
             print(f"log-probs == the unsharded model's in one process, every rank: {bool(flags.item())}")
         if not flags.item():
             raise SystemExit(1)
+    dist.barrier()  # no rank tears gloo down while another still talks to it (a rank then aborted at exit)
     dist.destroy_process_group()
 
 
