@@ -151,22 +151,34 @@ def _refused_on_device(op_name: str, original: torch.Tensor, dense: torch.Tensor
     return _call(op_name, cpu_args)[0] == "raised"
 
 
+def _tensor_slots(args: tuple):
+    """(label suffix, tensor, put) for every tensor argument and every tensor of a Tensor[] argument
+    (rank_sum's parts); put(args, t) gives args with that tensor replaced by t."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            yield i, "", a, lambda args, t, i=i: args[:i] + (t,) + args[i + 1 :]
+        elif isinstance(a, list):
+            for j, t in enumerate(a):
+                if isinstance(t, torch.Tensor):
+                    yield i, f"[{j}]", t, lambda args, t, i=i, j=j: args[:i] + (args[i][:j] + [t] + args[i][j + 1 :],) + args[i + 1 :]
+
+
 def test_noncontiguous_arguments_give_the_contiguous_bits(spec, device, dtype, layout):
     make = LAYOUTS[layout]
     for sample in spec.samples(device, dtype):
         args = _detached(sample.args)
         names = _arg_names(sample.op)
-        for i, a in enumerate(args):
-            if not isinstance(a, torch.Tensor) or (pair := make(a)) is None:
+        for i, index, a, put in _tensor_slots(args):
+            if (pair := make(a)) is None:
                 continue
             strided, dense = pair
-            want_args = args[:i] + (dense.clone(),) + args[i + 1 :]
-            got_args = args[:i] + (strided,) + args[i + 1 :]
+            want_args = put(args, dense.clone())
+            got_args = put(args, strided)
             if _refused_on_device(sample.op, a, dense, want_args):
                 continue
             want = _call(sample.op, want_args)
             got = _call(sample.op, got_args)
-            where = f"{sample.op}({names[i]} {layout} {list(a.shape)} {a.dtype})"
+            where = f"{sample.op}({names[i]}{index} {layout} {list(a.shape)} {a.dtype})"
             _assert_same_call(where, want_args, want, got_args, got)
 
 
