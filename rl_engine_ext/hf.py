@@ -831,10 +831,18 @@ def _as_model_forward(model: nn.Module, forward: Callable[..., Any], *args: Any)
         return forward(*args)
     if not isinstance(model, FSDPModule):
         return forward(*args)
-    if _FSDP_FORWARD_METHOD not in vars(model):
-        setattr(model, _FSDP_FORWARD_METHOD, types.MethodType(lambda self, fn, *a: fn(*a), model))
+    # Registered for this call only: an attribute left on the model (a closure FSDP makes around the
+    # method) would stop torch.save and copy.deepcopy of the model.
+    setattr(model, _FSDP_FORWARD_METHOD, types.MethodType(_call_forward, model))
+    try:
         register_fsdp_forward_method(model, _FSDP_FORWARD_METHOD)
-    return getattr(model, _FSDP_FORWARD_METHOD)(forward, *args)
+        return getattr(model, _FSDP_FORWARD_METHOD)(forward, *args)
+    finally:
+        delattr(model, _FSDP_FORWARD_METHOD)
+
+
+def _call_forward(model: nn.Module, forward: Callable[..., Any], *args: Any) -> Any:
+    return forward(*args)
 
 
 def _packed_layout(fn: str, input_ids: torch.Tensor, cu_seqlens: Any, max_seqlen: Any) -> int:

@@ -82,7 +82,10 @@ def fsdp_train(rank: int, world: int, dims: dict, wrap: str, comm: str, device: 
         lp_after = rl.token_logprobs(model, ids, mask)
     model.reshard()  # FSDP2 keeps the root unsharded after a forward with no backward
     params = {name: digest(p.to_local()) for name, p in model.named_parameters()}
+    from rl_engine_ext import hf
+
     result = {"logprobs": lp.detach().cpu(), "logprobs_after_step": lp_after.cpu(), "grads": grads,
+              "forward_method_left": hf._FSDP_FORWARD_METHOD in vars(model),
               "params": params, "rank_sum_calls": sum(n for (k, _), n in ran.counts.items() if k == "rank_sum")}
     if timed_steps:
         times = []

@@ -33,6 +33,7 @@ def test_fsdp2_training_is_invariant(world):
             assert other["params"] == run["params"], rank
             assert torch.equal(other["logprobs_after_step"], run["logprobs_after_step"]), rank
         assert not torch.equal(run["logprobs_after_step"], run["logprobs"])  # the step changed the model
+        assert not run["forward_method_left"]  # token_logprobs leaves nothing on the model
 
 
 def _shard_then_accumulate(rank: int, world: int) -> str:
