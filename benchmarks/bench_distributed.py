@@ -34,13 +34,6 @@ from dist_harness import run_ranks  # noqa: E402
 ALGORITHMS = ("gather", "scatter", "one_shot", "two_shot")
 
 
-def _torch_reduce_scatter(*args, **kwargs):
-    import torch.distributed as dist
-
-    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns)
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -95,10 +88,12 @@ def _iters(nbytes: int, device: str, quick: bool) -> int:
 def _collective_rows(rank: int, world: int, device: str, quick: bool) -> list[tuple]:
     import torch.distributed as dist
 
+    from fsdp_workers import TorchReduceScatter
     from rl_engine_ext import distributed as rd
 
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     blocks = 1 if quick else 3
+    nccl_rs = TorchReduceScatter()  # torch.distributed's reduce-scatter under either torch's name
     rows = []
     symmetric = device == "cuda" and rd._symmetric_memory_usable(dist.group.WORLD, torch.empty(1, device=dev))
     algorithms = [a for a in ALGORITHMS if symmetric or a in ("gather", "scatter")]
@@ -127,22 +122,10 @@ def _collective_rows(rank: int, world: int, device: str, quick: bool) -> list[tu
         out_b = torch.empty_like(out_a)
         for algorithm in [None] + (["scatter", "two_shot"] if symmetric else ["scatter"]):
             pair = _abba(lambda: rd.reduce_scatter_tensor(out_a, inp, algorithm=algorithm),
-                         lambda: _torch_reduce_scatter(out_b, inp), _iters(numel * 4, device, quick), device, blocks)
+                         lambda: nccl_rs(out_b, inp, dist.group.WORLD, dist.ReduceOp.SUM), _iters(numel * 4, device, quick), device, blocks)
             rows.append(("reduce_scatter", f"{mb}MB", "fp32", algorithm or "auto", numel * 4, pair,
                          (world - 1) / world * numel * 4))
     return rows
-
-
-class _TorchReduceScatter:
-    """FSDP2's default reduce-scatter, as a custom comm, so one model switches between the two."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        import torch.distributed as dist
-
-        return _torch_reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def _fsdp_rows(rank: int, world: int, device: str, quick: bool, layers: int) -> list[tuple]:
@@ -150,13 +133,12 @@ def _fsdp_rows(rank: int, world: int, device: str, quick: bool, layers: int) -> 
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import rl_engine_ext as rl
-    from fsdp_workers import QWEN3_8B, TINY, build_model, rank_batch
+    from fsdp_workers import QWEN3_8B, TINY, TorchReduceScatter, build_model, rank_batch
     from rl_engine_ext import distributed as rd
 
     dims = dict(TINY if quick else QWEN3_8B, num_hidden_layers=layers)
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    model = build_model(dims, str(dev))
-    rl.patch(model)
+    model = build_model(dims, dev)
     mesh = init_device_mesh(device, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -165,7 +147,7 @@ def _fsdp_rows(rank: int, world: int, device: str, quick: bool, layers: int) -> 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     batch, seq = (2, 16) if quick else (4, 2048)
     ids, mask = rank_batch(rank, dims, batch, seq, str(dev))
-    invariant, nccl = rd.InvariantReduceScatter(), _TorchReduceScatter()
+    invariant, nccl = rd.InvariantReduceScatter(), TorchReduceScatter()
 
     def step_with(comm):
         def step():

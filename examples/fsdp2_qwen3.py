@@ -41,12 +41,13 @@ DIMS = {
 }
 
 
-def build_model(dims: dict, device: torch.device) -> torch.nn.Module:
+def build_model(dims: dict, device: torch.device | str) -> torch.nn.Module:
+    """The patched model, the same bf16 weights on every rank (seeded)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)  # the same weights on every rank
     config = Qwen3Config(**dims, max_position_embeddings=4096, tie_word_embeddings=False)
-    with device:
+    with torch.device(device):
         model = Qwen3ForCausalLM(config).to(dtype=torch.bfloat16)
     rl.patch(model)
     return model

@@ -31,29 +31,18 @@ from test_distributed import HEAD, gpu_collectives  # noqa: E402
 SIZES = (1, 7, 4099, 65536 + 5, 1 << 20, (1 << 24) + 3, 1 << 26)
 
 
-class _TorchReduceScatter:
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        import torch.distributed as dist
-
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 def fsdp(rank: int, world: int, layers: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import rl_engine_ext as rl
-    from fsdp_workers import QWEN3_8B, build_model, digest, rank_batch
+    from fsdp_workers import QWEN3_8B, TorchReduceScatter, build_model, digest, rank_batch
     from rl_engine_ext import distributed as rd
 
     dims = dict(QWEN3_8B, num_hidden_layers=layers)
     dev = f"cuda:{rank}"
     ids, mask = rank_batch(rank, dims, 2, 512, dev)
     alone = build_model(dims, dev)
-    rl.patch(alone)
     with torch.no_grad():
         want_lp = rl.token_logprobs(alone, ids, mask)
     del alone
@@ -61,15 +50,14 @@ def fsdp(rank: int, world: int, layers: int) -> dict:
     result = {"logprobs_equal": {}, "grads": {}, "rank_sum_calls": {}}
     for wrap in ("layers", "root"):
         model = build_model(dims, dev)
-        rl.patch(model)
         mesh = init_device_mesh("cuda", (world,))
         if wrap == "layers":
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for run, (name, comm) in enumerate((("invariant", rd.InvariantReduceScatter()), ("nccl", _TorchReduceScatter()),
-                                            ("invariant", rd.InvariantReduceScatter()), ("nccl", _TorchReduceScatter()))):
+        for run, (name, comm) in enumerate((("invariant", rd.InvariantReduceScatter()), ("nccl", TorchReduceScatter()),
+                                            ("invariant", rd.InvariantReduceScatter()), ("nccl", TorchReduceScatter()))):
             for m in modules:
                 m.set_custom_reduce_scatter(comm)
             with rl.record_kernels() as ran:

@@ -5,41 +5,42 @@ bits and of its parameters after an optimizer step, and which collectives summed
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 
 import torch
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16)
-# Qwen3-8B's layer dimensions (its config); num_hidden_layers set by the caller.
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=2,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+# The model, the ranks' batches and the digest are the runnable example's (examples/fsdp2_qwen3.py).
+_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "fsdp2_qwen3.py")
+_spec = importlib.util.spec_from_file_location("fsdp2_qwen3", _EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
 
-
-def build_model(dims: dict, device: str) -> torch.nn.Module:
-    """The same bf16 weights on every rank and in the single-process reference (seeded)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(**dims, max_position_embeddings=4096, tie_word_embeddings=False)
-    with torch.device(device):
-        return Qwen3ForCausalLM(config).to(dtype=torch.bfloat16)
-
-
-def rank_batch(rank: int, dims: dict, batch: int, seq: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s token ids and attention mask (right padding, rows of different lengths)."""
-    g = torch.Generator().manual_seed(1000 + rank)
-    ids = torch.randint(0, dims["vocab_size"], (batch, seq), generator=g)
-    lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=g)
-    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-    return ids.to(device), mask.to(device)
+TINY = example.DIMS["tiny"]
+QWEN3_8B = example.DIMS["qwen3-8b"]  # Qwen3-8B's layer dimensions; num_hidden_layers set by the caller
+build_model = example.build_model  # patched, the same bf16 weights on every rank (seeded)
+rank_batch = example.rank_batch
 
 
 def digest(t: torch.Tensor) -> int:
     """An order-sensitive checksum of a tensor's bits (integer arithmetic: the same on any device)."""
-    bits = t.detach().contiguous().view(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()]).to(torch.int64)
-    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 1000003 + 1
-    return int((bits * weights).sum())
+    return example.digest([t])
+
+
+class TorchReduceScatter:
+    """FSDP2's default reduce-scatter (torch.distributed's, NCCL on GPUs) as a custom comm, so one
+    model switches between it and the invariant one (the control of the GPU script and benchmark)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        import torch.distributed as dist
+
+        # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def fsdp_train(rank: int, world: int, dims: dict, wrap: str, comm: str, device: str, batch: int = 2, seq: int = 24,
@@ -56,8 +57,7 @@ def fsdp_train(rank: int, world: int, dims: dict, wrap: str, comm: str, device: 
     from rl_engine_ext import distributed as rd
 
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    model = build_model(dims, str(dev))
-    rl.patch(model)
+    model = build_model(dims, dev)
     mesh = init_device_mesh(device, (world,))
     if wrap == "layers":
         for layer in model.model.layers:
@@ -110,7 +110,6 @@ def single_process_logprobs(dims: dict, world: int, device: str, batch: int = 2,
     import rl_engine_ext as rl
 
     model = build_model(dims, device)
-    rl.patch(model)
     out = []
     with torch.no_grad():
         for rank in range(world):

@@ -44,7 +44,6 @@ def _shard_then_accumulate(rank: int, world: int) -> str:
     from fsdp_workers import build_model
 
     model = build_model(TINY, "cpu")
-    rl.patch(model)
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     try:
         rl.fp32_grad_accumulation(model)
