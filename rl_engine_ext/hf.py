@@ -62,6 +62,7 @@ from torch import nn
 
 from . import main_grad as _mg
 from . import strict_mode
+from . import tensor_parallel as _tp
 from .ops.attention import attention_kvcache, attention_varlen
 from .ops.linear import LINEAR_GRAD_TILE_TOKENS
 from .ops.logprob import IGNORE_INDEX, logprob, temperature_error
@@ -312,6 +313,44 @@ def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# Tensor-parallel roles (patch(model, tp_group=...) / tp_invariant=True): the module's TPShard.
+_TP = "_rl_align_tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class TPShard:
+    """What a module of a tensor-parallel patch holds: the group, and for a vocabulary-parallel
+    embedding its first row and its padding row in its own rows (None: not among them)."""
+
+    tp: _tp.TPGroup
+    start: int = 0
+    padding_idx: int | None = None
+    # the dimension of the weight / bias that is split over the ranks (None: whole on every rank)
+    weight_dim: int | None = None
+    bias_dim: int | None = None
+
+
+def _column_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _tp.column_parallel_linear(x, self.weight, self.bias, vars(self)[_TP].tp)
+
+
+def _row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _tp.row_parallel_linear(x, self.weight, self.bias, vars(self)[_TP].tp)
+
+
+def _vocab_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    shard = vars(self)[_TP]
+    return _tp.vocab_parallel_embedding(ids, self.weight, shard.start, shard.padding_idx, shard.tp)
+
+
+def _vocab_logits_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    return _tp.vocab_parallel_logits(hidden, self.weight, self.bias, vars(self)[_TP].tp)
+
+
+def _head_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _tp.head_norm(x, self.weight, self.variance_epsilon, NORM_MODE, vars(self)[_TP].tp)
+
+
 def _decoder_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
                      past_key_values=None, use_cache=False, position_embeddings=None, **kwargs: Any) -> torch.Tensor:
     residual = hidden_states
@@ -374,7 +413,9 @@ def _base_model_forward(self: nn.Module, *args: Any, **kwargs: Any):
 
 
 _PATCHED_FORWARDS = frozenset({_linear_forward, _embedding_forward, _norm_forward, _mlp_forward, _rotary_forward,
-                               _dropout_forward, _decoder_forward, _attention_forward, _base_model_forward})
+                               _dropout_forward, _decoder_forward, _attention_forward, _base_model_forward,
+                               _column_forward, _row_forward, _vocab_embedding_forward, _vocab_logits_forward,
+                               _head_norm_forward})
 # torch's dropout modules (nn.Dropout, Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout): the
 # identity in eval mode and at p = 0.
 _TORCH_DROPOUT_FORWARDS = frozenset(cls.forward for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
@@ -487,7 +528,13 @@ class PatchHandle:
         included) and the attention implementation. Idempotent."""
         if not self.live:
             return
+        if getattr(self, "_sharded", False):
+            raise ValueError("rl_engine_ext.unpatch: a tensor-parallel patch kept only this rank's shards of the weights; "
+                             "it cannot be reverted (reload the model)")
         owner = self._owner
+        for module in self.model.modules():
+            if vars(module).get(_OWNER) is owner:
+                module.__dict__.pop(_TP, None)
         for module in self.model.modules():
             if vars(module).get(_OWNER) is owner:
                 if _is_patched_forward(vars(module).get("forward")):
@@ -676,7 +723,95 @@ def _install_registration_hook() -> None:
             _on_module_registration))
 
 
-def patch(model: nn.Module) -> PatchHandle:
+# (attribute path under a decoder layer, role) of the tensor-parallel layers
+_TP_LAYER_ROLES = (("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
+                   ("self_attn.o_proj", "row"), ("mlp.gate_proj", "column"), ("mlp.up_proj", "column"),
+                   ("mlp.down_proj", "row"), ("self_attn.q_norm", "head_norm"), ("self_attn.k_norm", "head_norm"))
+_TP_FORWARDS = {"column": _column_forward, "row": _row_forward, "head_norm": _head_norm_forward,
+                "embedding": _vocab_embedding_forward, "logits": _vocab_logits_forward}
+
+
+def _tp_plan(model: nn.Module, base: nn.Module, tp: "_tp.TPGroup") -> list[tuple[nn.Module, str]]:
+    """[(module, role)] of a tensor-parallel patch, after checking that the model splits over
+    ``tp`` on leaf boundaries; raises ValueError (before anything changes) otherwise."""
+    what = f"rl_engine_ext.patch({type(model).__name__}, tensor parallel)"
+    config, world, leaves = model.config, tp.world, _tp.LINEAR_TREE_LEAVES
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % world or kv_heads % world:
+        raise ValueError(f"{what}: {heads} query and {kv_heads} key/value heads do not split over {world} ranks")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = base.get_input_embeddings()
+    roles = [(embed, "embedding")] + ([(head, "logits")] if isinstance(head, nn.Linear) else [])
+    for i, layer in enumerate(base.layers):
+        for path, role in _TP_LAYER_ROLES:
+            module = layer.get_submodule(path) if _has_path(layer, path) else None
+            if module is None:
+                if role != "head_norm":
+                    raise ValueError(f"{what}: layer {i} has no {path}")
+                continue
+            roles.append((module, role))
+    for module, role in roles:
+        if role in ("column", "row", "logits") and not isinstance(module, nn.Linear):
+            raise ValueError(f"{what}: {_path_in(model, module)} is a {type(module).__name__}, not an nn.Linear")
+        if role == "embedding" and not isinstance(module, nn.Embedding):
+            raise ValueError(f"{what}: the input embedding is a {type(module).__name__}, not an nn.Embedding")
+        reduced = {"column": module.weight.shape[0], "logits": module.weight.shape[0], "row": module.weight.shape[-1],
+                   "embedding": module.weight.shape[0]}.get(role)
+        if reduced is not None and reduced % leaves:
+            raise ValueError(f"{what}: {_path_in(model, module)} {list(module.weight.shape)}: the split dimension "
+                             f"({reduced}) must be a multiple of {leaves} (the tree's leaves)")
+    return roles
+
+
+def _has_path(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def _path_in(model: nn.Module, module: nn.Module) -> str:
+    return next((name for name, m in model.named_modules() if m is module), type(module).__name__)
+
+
+def _apply_tp(roles: list[tuple[nn.Module, str]], tp: "_tp.TPGroup | None") -> None:
+    """Keeps this rank's shards of the weights (world > 1) and installs the roles' forwards."""
+    sharded: dict[int, nn.Parameter] = {}  # a tied weight is sharded once
+
+    def keep(param: nn.Parameter | None, dim: int) -> nn.Parameter | None:
+        if param is None or tp.world == 1:
+            return param
+        if id(param) not in sharded:
+            rows = tp.shard(param.shape[dim])
+            data = param.data.narrow(dim, rows.start, rows.stop - rows.start).clone()
+            sharded[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+        return sharded[id(param)]
+
+    for module, role in roles:
+        shard = TPShard(tp)
+        if role in ("column", "logits"):
+            module.weight = keep(module.weight, 0)
+            module.bias = keep(module.bias, 0)
+            module.out_features = module.weight.shape[0]
+            shard = TPShard(tp, weight_dim=0, bias_dim=0)
+        elif role == "row":
+            module.weight = keep(module.weight, 1)  # the bias stays whole: added after the sum over ranks
+            module.in_features = module.weight.shape[1]
+            shard = TPShard(tp, weight_dim=1)
+        elif role == "embedding":
+            rows = module.weight.shape[0] // tp.world
+            start = tp.rank * rows
+            pad = module.padding_idx
+            local_pad = pad - start if pad is not None and start <= pad < start + rows else None
+            module.weight = keep(module.weight, 0)
+            module.num_embeddings = module.weight.shape[0]
+            shard = TPShard(tp, start, local_pad, weight_dim=0)
+        module.__dict__[_TP] = shard
+        module.__dict__["forward"] = functools.partial(_TP_FORWARDS[role], module)
+
+
+def patch(model: nn.Module, tp_group: Any = None, tp_invariant: bool = False) -> PatchHandle:
     """Runs ``model`` (a transformers Llama / Qwen2 / Qwen3 model: ``*ForCausalLM`` or the base
     ``*Model``, possibly inside a wrapper such as a PEFT model) on rl_align ops until ``.revert()``
     (or ``rl_engine_ext.unpatch(model)``). Raises ValueError for a model or configuration it
@@ -685,7 +820,17 @@ def patch(model: nn.Module) -> PatchHandle:
     forward; a forward replaced on the instance); warns once naming any module with parameters it
     leaves on torch (under strict mode, rl_engine_ext.strict, raises StrictModeError instead).
     Dropout modules (a LoRA's lora_dropout) become the identity, and raise if they run in training
-    mode with p > 0. Modules attached later are patched as they are attached."""
+    mode with p > 0. Modules attached later are patched as they are attached.
+
+    Tensor parallelism (rl_engine_ext/tensor_parallel.py): with ``tp_group`` (a torch.distributed
+    group of 1, 2, 4 or 8 ranks, every rank holding the whole model), each rank keeps its shards:
+    q/k/v and gate/up by output rows (heads split), o and down by input columns, the embedding and
+    the LM head by vocabulary rows; the row-parallel sums and the column-parallel input gradients
+    run in the 8-leaf tree with invariant fp32 all-reduces, the logits are gathered whole. Log-probs
+    and gradients (each rank's shard of them) are then the same bits at TP = 1, 2, 4, 8, and the
+    same as ``patch(model, tp_invariant=True)`` on one process (the numerics without sharding: a
+    TP = 1 or FSDP2 trainer). A sharded model cannot be reverted (the other ranks' rows are
+    gone)."""
     _check_transformers_version()
     prefix = _family(model)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -693,6 +838,8 @@ def patch(model: nn.Module) -> PatchHandle:
     if rotary is None or type(rotary).__name__ != f"{prefix}RotaryEmbedding":
         raise ValueError(f"rl_engine_ext.patch: {type(model).__name__} has no {prefix}RotaryEmbedding")
     _check_config(model, rotary)
+    tp = _tp.tp_group(tp_group) if tp_group is not None or tp_invariant else None
+    shards = _tp_plan(model, base, tp) if tp is not None else []
     owner = _Owner()
     plan, kept = _plan(model.named_modules(), prefix, owner, "rl_engine_ext.patch", lambda: "")
     _check_kept(kept)
@@ -701,9 +848,31 @@ def patch(model: nn.Module) -> PatchHandle:
     previous = model.config._attn_implementation
     handle = PatchHandle(model, owner, prefix, previous)
     _apply(plan, owner)
+    _apply_tp(shards, tp)
+    handle._sharded = tp is not None and tp.world > 1
     model.__dict__[_HANDLE] = handle
     model.config._attn_implementation = IMPLEMENTATION
     return handle
+
+
+def tp_full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """{name: the whole tensor} of a tensor-parallel patched model's parameters (``grads``: their
+    ``.grad``, None where none), each rank's shards gathered in rank order (exact copies; a
+    collective: call it on every rank of the group). Whole (replicated) parameters as they are."""
+    out = {}
+    for module_name, module in model.named_modules():
+        shard = vars(module).get(_TP)
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}" if module_name else pname
+            if name in out:
+                continue
+            t = param.grad if grads else param.detach()
+            dim = None if shard is None else {"weight": shard.weight_dim, "bias": shard.bias_dim}.get(pname)
+            if t is None or dim is None or shard.tp.world == 1:
+                out[name] = t
+                continue
+            out[name] = torch.cat(_tp.gather_ranks(t, shard.tp).unbind(0), dim=dim)
+    return out
 
 
 def patch_handle(model: nn.Module) -> PatchHandle | None:
@@ -812,7 +981,9 @@ def _lm_head(model: nn.Module, fn: str) -> tuple[nn.Module, nn.Module, torch.dty
     if not isinstance(weight, torch.Tensor):
         raise ValueError(f"rl_engine_ext.{fn}: the LM head {type(head).__name__} has no weight tensor (the logits "
                          "dtype is read from it)")
-    plain = isinstance(head, nn.Linear) and _is_patched_forward(vars(head).get("forward"))
+    forward = vars(head).get("forward")
+    # a tensor-parallel head (its logits gathered whole) goes through logprob, as the sampler does
+    plain = isinstance(head, nn.Linear) and _is_patched_forward(forward) and forward.func is _linear_forward
     return decoder, head, weight.dtype, plain
 
 

@@ -20,6 +20,14 @@
 
 namespace rl_align {
 
+// Tree mode (linear_tree, linear_tree_grad_input; host/linear_tree.h): the reduction dimension is
+// cut into L equal leaves, each reduced as above from zero, and the leaves added per element over
+// the fixed binary tree ((l0 + l1) + (l2 + l3)) + ... in fp32 before the one rounding. A
+// tensor-parallel split of that dimension over W ranks (W a power of two dividing L) gives each
+// rank whole subtrees, and the invariant all-reduce's tree over ranks completes the same tree, so
+// TP = 1, 2, 4, 8 give the same bits. kLinearTreeLeaves is the default (and the TP patch's) L.
+constexpr int64_t kLinearTreeLeaves = 8;
+
 // Tokens per chaining tile of the weight and bias gradients: micro-batches whose token counts
 // are multiples of this chain bit for bit on every path (a multiple of every path's MMA depth).
 constexpr int64_t kLinearGradTileTokens = 64;

@@ -28,8 +28,7 @@ inline void check_weight(const char* op, const at::Tensor& weight) {
 }
 
 inline void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias) {
-  constexpr const char* op = "linear";
+                              const std::optional<at::Tensor>& bias, const char* op = "linear") {
   check_dtype(op, "x", x);
   check_weight(op, weight);
   TORCH_CHECK_VALUE(x.dim() >= 1, "rl_align::", op, ": x must have at least one dimension");
@@ -44,8 +43,8 @@ inline void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-inline void check_grad_input_args(const at::Tensor& grad_out, const at::Tensor& weight) {
-  constexpr const char* op = "linear_grad_input";
+inline void check_grad_input_args(const at::Tensor& grad_out, const at::Tensor& weight,
+                                  const char* op = "linear_grad_input") {
   check_dtype(op, "grad_out", grad_out);
   check_weight(op, weight);
   TORCH_CHECK_VALUE(grad_out.dim() >= 1 && grad_out.size(-1) == weight.size(0), "rl_align::", op,

@@ -12,7 +12,7 @@ import importlib
 from ._spec import OpDef, OpSpec
 
 OP_MODULES = ("rms_norm", "add_rms_norm", "linear", "attention", "embedding", "silu_and_mul", "rope", "logprob",
-              "linear_logprob", "rank_sum")
+              "linear_logprob", "rank_sum", "linear_tree")
 
 SPECS: tuple[OpSpec, ...] = tuple(importlib.import_module(f"{__name__}.{name}").SPEC for name in OP_MODULES)
 

@@ -46,23 +46,22 @@ def _check_weight(op: str, weight: torch.Tensor) -> None:
         raise _checks.fail(op, f"weight must be 2-D [out, in], got shape {list(weight.shape)}")
 
 
-def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-    _checks.check_dtype(OP, "x", x)
-    _check_weight(OP, weight)
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, op: str = OP) -> None:
+    _checks.check_dtype(op, "x", x)
+    _check_weight(op, weight)
     if x.dim() < 1:
-        raise _checks.fail(OP, "x must have at least one dimension")
+        raise _checks.fail(op, "x must have at least one dimension")
     if weight.shape[1] != x.shape[-1]:
-        raise _checks.fail(OP, f"weight is {list(weight.shape)} ([out, in]) but x's last dimension is {x.shape[-1]}")
-    _checks.check_same(OP, "weight", weight, "x", x)
+        raise _checks.fail(op, f"weight is {list(weight.shape)} ([out, in]) but x's last dimension is {x.shape[-1]}")
+    _checks.check_same(op, "weight", weight, "x", x)
     if bias is not None:
-        _checks.check_dtype(OP, "bias", bias)
+        _checks.check_dtype(op, "bias", bias)
         if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
-            raise _checks.fail(OP, f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
-        _checks.check_same(OP, "bias", bias, "x", x)
+            raise _checks.fail(op, f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
+        _checks.check_same(op, "bias", bias, "x", x)
 
 
-def check_grad_input(grad_out: torch.Tensor, weight: torch.Tensor) -> None:
-    op = "linear_grad_input"
+def check_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, *, op: str = "linear_grad_input") -> None:
     _checks.check_dtype(op, "grad_out", grad_out)
     _check_weight(op, weight)
     if grad_out.dim() < 1 or grad_out.shape[-1] != weight.shape[0]:

@@ -400,7 +400,7 @@ gpuError_t dispatch_config(DType dtype, const GemmProblem& p, gpuStream_t stream
   return launch_sm90<T, LargeConfig, A_MN, B_MN, C_FP32, HAS_ACCUM>(dtype, p, stream);
 }
 
-// The layouts and outputs the linear ops use: forward; grad input, also as fp32 partial sums
+// The layouts and outputs the linear ops use: forward, also as fp32 leaf sums (linear_tree); grad input, also as fp32 partial sums
 // continued from an accumulator (linear_logprob's vocabulary slices); grad weight as fp32
 // (chained) or in the input dtype (linear_logprob's weight gradient for autograd).
 template <typename T>
@@ -409,6 +409,8 @@ gpuError_t dispatch_layout(DType dtype, const GemmProblem& p, gpuStream_t stream
   if (accum && !p.c_fp32) return cudaErrorNotSupported;
   if (!p.a_mn_major && !p.b_mn_major && !p.c_fp32)
     return dispatch_config<T, false, false, false, false>(dtype, p, stream);  // forward
+  if (!p.a_mn_major && !p.b_mn_major && !accum && p.bias == nullptr)  // a tree-mode leaf (linear_tree)
+    return dispatch_config<T, false, false, true, false>(dtype, p, stream);
   if (p.bias != nullptr) return cudaErrorNotSupported;
   if (!p.a_mn_major && p.b_mn_major) {  // grad input
     if (!p.c_fp32) return dispatch_config<T, false, true, false, false>(dtype, p, stream);
