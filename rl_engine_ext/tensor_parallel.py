@@ -238,6 +238,8 @@ def _gather_heads(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def gather_ranks(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """[world, *t.shape]: every rank's ``t`` (the same shape on every rank), exact copies."""
+    if tp.world == 1:
+        return t.unsqueeze(0)
     flat = t.new_empty(tp.world * t.numel())
     distributed.all_gather_into_tensor(flat, t.contiguous().view(-1), group=tp.group)
     return flat.view(tp.world, *t.shape)

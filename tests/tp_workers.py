@@ -1,64 +1,115 @@
 """Workers of the tensor-parallel tests (tests/test_tensor_parallel.py) and the GPU script
-(scripts/gpu_tensor_parallel.py): one tiny (or Qwen3-8B-dimensioned) Qwen3 per rank, patched with
-a TP group, and what a test compares across TP degrees: per-token log-probs (padded, packed), the
-whole gradients (shards gathered), generate()'s tokens and log-probs."""
+(scripts/gpu_tensor_parallel.py): one rank each. The model, the batch and the comparison are the
+runnable example's (examples/tp_qwen3.py)."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 import torch.distributed as dist
 
-import rl_engine_ext as rl
-from rl_engine_ext import tensor_parallel as tpm
+_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tp_qwen3.py")
+_spec = importlib.util.spec_from_file_location("tp_qwen3", _EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=16)
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=2,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-
-
-def build(dims: dict, device, tp_group=None, tp_invariant=False, patched=True):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)  # the same weights on every rank
-    config = Qwen3Config(**dims, max_position_embeddings=4096, tie_word_embeddings=False)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(dtype=torch.bfloat16)
-    if patched:
-        rl.patch(model, tp_group=tp_group, tp_invariant=tp_invariant)
-    return model
+TINY = example.DIMS["tiny"]
+QWEN3_8B = example.DIMS["qwen3-8b"]
+build_model, run, differences = example.build_model, example.run, example.differences
 
 
-def batch(dims: dict, device, batch_size=3, seq=12):
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, dims["vocab_size"], (batch_size, seq), generator=g)
-    lengths = torch.tensor([seq, seq - 3, seq // 2])[:batch_size]
-    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-    weights = torch.randn(batch_size, seq, generator=g)
-    return ids.to(device), mask.to(device), weights.to(device)
+def _device(rank: int, device: str) -> torch.device:
+    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
 
 
-def step(model, dims, device):
-    """Log-probs (padded and packed), the loss's whole gradients, generate()'s output."""
-    ids, mask, weights = batch(dims, device)
-    model.zero_grad(set_to_none=True)
+def layer_inputs(device, m=5, k=256, n=48, dtype=torch.bfloat16, seed=3):
+    """x [m, k], a weight [n, k] and bias, a cotangent dy [m, n]: large-ish values so that the
+    order of a sum shows in its bits."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 3).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    dy = (torch.randn(m, n, generator=g) * 3).to(dtype)
+    return [t.to(device) for t in (x, w, b, dy)]
+
+
+def layers(rank: int, world: int, device: str = "cpu") -> dict:
+    """The column- and row-parallel linears on this rank's shards, forward and backward, and the
+    naive row-parallel sum (each rank's plain linear, rounded, then summed) as control."""
+    from rl_engine_ext import distributed, linear
+    from rl_engine_ext import tensor_parallel as tpm
+
+    dev = _device(rank, device)
+    tp = tpm.tp_group(dist.group.WORLD if dist.is_initialized() else None)
+    x, w, b, dy = layer_inputs(dev)
+    out = {}
+    # column-parallel: this rank's output rows; the input gradient summed over all ranks' rows
+    rows = tp.shard(w.shape[0])
+    xc = x.clone().requires_grad_()
+    wc = w[rows].clone().requires_grad_()
+    bc = b[rows].clone().requires_grad_()
+    y = tpm.column_parallel_linear(xc, wc, bc, tp)
+    y.backward(dy[:, rows])
+    whole = lambda t, dim: torch.cat(tpm.gather_ranks(t.contiguous(), tp).unbind(0), dim=dim)  # noqa: E731
+    out["column"] = (whole(y.detach(), -1), xc.grad, whole(wc.grad, 0), whole(bc.grad, 0))
+    # row-parallel: this rank's input columns, the bias whole
+    cols = tp.shard(x.shape[1])
+    xr = x[:, cols].clone().requires_grad_()
+    wr = w[:, cols].clone().requires_grad_()
+    br = b.clone().requires_grad_()
+    y = tpm.row_parallel_linear(xr, wr, br, tp)
+    y.backward(dy)
+    out["row"] = (y.detach(), whole(xr.grad, -1), whole(wr.grad, 1), br.grad)
+    naive = linear(x[:, cols], w[:, cols])
+    if tp.world > 1:
+        distributed.all_reduce(naive)
+    out["naive_row"] = naive + b
+    return {k: tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu() for k, v in out.items()} if rank == 0 else None
+
+
+def model_rank(rank: int, world: int, dims: dict, device: str = "cpu") -> dict | None:
+    """A TP = world run of the example's model (the group: every rank); rank 0's results."""
+    dev = _device(rank, device)
+    result = run(build_model(dims, dev, tp_group=dist.group.WORLD), dims, dev)
+    return result if rank == 0 else None
+
+
+def fsdp_trainer_rank(rank: int, world: int, dims: dict, device: str = "cpu") -> torch.Tensor:
+    """The TP-invariant model (unsharded numerics) under FSDP2 over all ranks, each rank on the
+    example's batch: its log-probs (every rank's should be TP = 1's and the TP samplers')."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import rl_engine_ext as rl
+    from rl_engine_ext import distributed
+
+    dev = _device(rank, device)
+    model = build_model(dims, dev, tp_invariant=True)
+    mesh = init_device_mesh(device, (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    distributed.use_invariant_reduce_scatter(model)
+    ids, mask, weights = example.make_batch(dims, dev)
     lp = rl.token_logprobs(model, ids, mask)
-    (lp * weights).sum().backward()
-    grads = {k: (None if v is None else v.cpu()) for k, v in rl.tp_full_tensors(model, grads=True).items()}
-    lengths = mask.sum(1)
-    packed_ids = torch.cat([ids[b, :n] for b, n in enumerate(lengths.tolist())])
-    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
-    with torch.no_grad():
-        packed = rl.token_logprobs(model, packed_ids, cu_seqlens=cu)
-        gen = rl.generate_with_logprobs(model, ids[:2, :5], do_sample=False, max_new_tokens=4, pad_token_id=0)
-    trainer = rl.token_logprobs(model, gen.sequences, gen.attention_mask).detach()
-    return {"lp": lp.detach().cpu(), "packed": packed.cpu(), "grads": grads, "gen_tokens": gen.sequences.cpu(),
-            "gen_lp": gen.logprobs.cpu(), "gen_trainer": (trainer * gen.completion_mask).cpu()}
+    (lp * weights).sum().backward()  # FSDP2's reduce-scatter of the tree-mode gradients runs
+    return lp.detach().cpu()
 
 
-def tp_rank(rank: int, world: int, dims: dict, device: str):
-    """One rank of a TP = world run (its group the whole world); rank 0's results."""
-    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
-    model = build(dims, dev, tp_group=dist.group.WORLD)
-    out = step(model, dims, dev)
-    return out if rank == 0 else None
+def refusals(rank: int, world: int, cases: tuple[str, ...]) -> dict[str, str]:
+    """{case: the ValueError a bad tensor-parallel patch raises on this rank ('' if none)}."""
+    import rl_engine_ext as rl
+
+    bad_dims = {"heads": dict(num_key_value_heads=1, num_attention_heads=2), "leaves": dict(intermediate_size=516)}
+    out = {}
+    for case in cases:
+        try:
+            model = build_model(dict(TINY, **bad_dims.get(case, {})), "cpu", tp_group=dist.group.WORLD)
+            if case == "revert":
+                rl.unpatch(model)
+            out[case] = ""
+        except ValueError as e:
+            out[case] = str(e)
+    return out
