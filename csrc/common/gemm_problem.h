@@ -53,6 +53,10 @@ struct GemmProblem {
   // (A reduction split along k at chunk boundaries thus gives the unsplit bits: linear_logprob's
   // d hidden over vocabulary slices.)
   const float* c_accum = nullptr;
+  // Tree mode in one launch (kernels that support it: linear_gemm_sm90_tree_supported): k is
+  // tree_leaves equal leaves, each from zero, folded over the tree before the bias and the
+  // rounding (or stored fp32). 0 or 1: the plain chain.
+  int64_t tree_leaves = 0;
 };
 
 }  // namespace rl_align

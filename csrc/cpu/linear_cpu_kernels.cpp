@@ -191,6 +191,7 @@ void bias_grad(const T* dy, int64_t ld, int64_t m, int64_t n, const float* accum
 }  // namespace
 
 void linear_gemm_cpu(at::ScalarType dtype, const GemmProblem& p) {
+  TORCH_CHECK(p.tree_leaves <= 1, "rl_align: the CPU GEMM runs a tree leaf by leaf (host/linear_tree.h)");
   if (p.m <= 0 || p.n <= 0) return;
   dispatch_cpu_dtype("linear", dtype, [&](auto tag) { gemm<decltype(tag)>(p); });
 }

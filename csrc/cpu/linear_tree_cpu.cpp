@@ -14,6 +14,7 @@ namespace {
 RL_ALIGN_NATIVE_CONSTANT(LINEAR_TREE_LEAVES, kLinearTreeLeaves);
 
 struct LinearTreeCpuBackend : LinearCpuBackend {
+  static bool fused_tree(const char*, at::ScalarType, const at::Tensor&, int64_t, int64_t) { return false; }
   static void fold(at::ScalarType dtype, const RankSumOperands& a) {
     note_cpu_kernel("rank_sum");
     rank_sum_cpu(dtype, a);

@@ -30,6 +30,9 @@ bool gemm_sm90_compiled_for(int device);
 // GemmProblem GEMM serves the forward (linear) and both gradients (linear_grad_input,
 // linear_grad_weight), which differ only in operand layouts and output type (host/linear.h).
 gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream);
+// Whether the sm90 GEMM folds a tree of `leaves` leaves over k in one launch (p.tree_leaves):
+// 2, 4 or 8 leaves of whole 64-deep k-blocks. Otherwise linear_tree runs one GEMM per leaf.
+bool linear_gemm_sm90_tree_supported(int64_t k, int64_t leaves);
 gpuError_t linear_gemm_sm80(DType dtype, const GemmProblem& p, gpuStream_t stream);
 gpuError_t linear_gemm_simt(DType dtype, const GemmProblem& p, gpuStream_t stream);
 

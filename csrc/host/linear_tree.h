@@ -9,6 +9,10 @@
 //
 // A Backend supplies the linear Backend's members (host/linear.h) and
 //   static void fold(at::ScalarType dtype, const RankSumOperands& a);   // rank_sum's kernel
+//   static bool fused_tree(const char* op, at::ScalarType dtype, const at::Tensor& t, int64_t k,
+//                          int64_t leaves);  // one GemmProblem with tree_leaves runs the whole tree
+// The fused kernel and the leaf-by-leaf flow give the same bits (the same leaf chains, the same
+// adds); tests compare them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -126,6 +130,15 @@ at::Tensor linear_tree_impl(const at::Tensor& x, const at::Tensor& weight,
   const int64_t kl = k / leaves;
   const at::Tensor x_rows = as_rows(x);
   const bool aligned = Backend::needs_aligned_operands(op, x.scalar_type(), x);
+  if (leaves == 1 || Backend::fused_tree(op, x.scalar_type(), x, k, leaves)) {
+    LeafGemm g = leaf_gemm(x_rows, weight, false, aligned);
+    const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+    g.p.tree_leaves = leaves;
+    g.p.c = y.mutable_data_ptr(); g.p.ldc = n; g.p.c_fp32 = partial;
+    g.p.bias = bias_c.defined() ? bias_c.const_data_ptr() : nullptr;
+    Backend::run(op, x.scalar_type(), g.p, x);
+    return y;
+  }
   tree_gemm<Backend>(op, x.scalar_type(), m, n, leaves, bias, partial, y.view({m, n}), x,
                      [&](int64_t l, int64_t first, int64_t count) {
                        return leaf_gemm(x_rows.narrow(0, first, count).narrow(1, l * kl, kl),
@@ -151,6 +164,13 @@ at::Tensor linear_tree_grad_input_impl(const at::Tensor& grad_out, const at::Ten
   const int64_t nl = n / leaves;
   const at::Tensor dy_rows = as_rows(grad_out);
   const bool aligned = Backend::needs_aligned_operands(op, grad_out.scalar_type(), grad_out);
+  if (leaves == 1 || Backend::fused_tree(op, grad_out.scalar_type(), grad_out, n, leaves)) {
+    LeafGemm g = leaf_gemm(dy_rows, weight, true, aligned);
+    g.p.tree_leaves = leaves;
+    g.p.c = dx.mutable_data_ptr(); g.p.ldc = k; g.p.c_fp32 = partial;
+    Backend::run(op, grad_out.scalar_type(), g.p, grad_out);
+    return dx;
+  }
   tree_gemm<Backend>(op, grad_out.scalar_type(), m, k, leaves, std::nullopt, partial, dx.view({m, k}),
                      grad_out, [&](int64_t l, int64_t first, int64_t count) {
                        return leaf_gemm(dy_rows.narrow(0, first, count).narrow(1, l * nl, nl),

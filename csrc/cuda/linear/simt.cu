@@ -162,6 +162,7 @@ gpuError_t launch_bias_grad(const T* dy, int64_t ld, int64_t m, int64_t n, const
 
 gpuError_t linear_gemm_simt(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return RL_GPU(ErrorInvalidValue);
+  if (p.tree_leaves > 1) return RL_GPU(ErrorNotSupported);  // the tree runs leaf by leaf here
   return dispatch_dtype<KernelTypes>(
       dtype, [&](auto tag) { return dispatch_simt<decltype(tag)>(p, stream); }, gpu_not_supported);
 }

@@ -447,6 +447,7 @@ gpuError_t linear_gemm_sm80(DType dtype, const GemmProblem& p, gpuStream_t strea
   if (!operand_ok(p.a, p.lda) || !operand_ok(p.b, p.ldb)) return cudaErrorInvalidValue;
   if (p.c == nullptr || p.ldc <= 0) return cudaErrorInvalidValue;
   if (p.c_accum != nullptr && !p.c_fp32) return cudaErrorInvalidValue;
+  if (p.tree_leaves > 1) return cudaErrorNotSupported;  // the tree runs leaf by leaf here
   return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
       dtype, [&](auto tag) { return dispatch_output<decltype(tag)>(p, stream); }, gpu_not_supported);
 }

@@ -10,6 +10,13 @@
 // beyond m are TMA zero fill, and the k tail is zero fill (exact zeros). The configuration is
 // picked from the tile count for speed only; the GPU tests prove that every configuration gives
 // the same bits (wgmma's per-element result does not depend on the instruction's n).
+//
+// Tree mode (TREE, linear_tree; common/gemm_problem.h): the k-blocks are `leaves` (2, 4 or 8) equal
+// runs; each run accumulates from zero (scale-d = 0 on its first chunk) into one of two register
+// sets (even leaves, odd leaves), and after each odd leaf the sets are folded as rank_sum's binary
+// counter (common/rank_sum.h): slot 0 = the even leaf, slot 1 a third register set, slot 2 (only
+// with 8 leaves: written once, read once per tile) shared memory. The adds are the tree's, in its
+// order, so a tile gives the leaf GEMMs + rank_sum bits of the unfused flow (host/linear_tree.h).
 #include "../linear_kernels.h"
 
 #if !RL_ALIGN_HIP
@@ -46,6 +53,8 @@ struct Sm90Config {
   static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
   // Ring + two mbarriers per stage + slack to align the ring to the swizzle atom.
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + kSwizzleAtomBytes;
+  // Tree mode's slot 2: one fp32 accumulator tile, after the ring and the barriers.
+  static constexpr int TREE_SLOT_BYTES = BM * BN * 4;
   static_assert(BM % 64 == 0 && BN % 32 == 0 && BN <= 256, "wgmma tile");
   static_assert(CLUSTER == 1 || (BN / CLUSTER) % 64 == 0, "multicast slices are whole swizzle rows");
 };
@@ -57,6 +66,11 @@ using DecodeConfig = Sm90Config<64, 32, 16>;
 using DecodeMnConfig = Sm90Config<64, 64, 8>;
 using MediumConfig = Sm90Config<128, 128, 6>;
 using LargeConfig = Sm90Config<128, 256, 4, 2>;
+// Tree mode above decode size: three 64-column-pair register sets per thread (acc, even leaf,
+// slot 1) fit at BN = 128, not 256; four stages leave room for the slot-2 tile.
+using TreeConfig = Sm90Config<128, 128, 4>;
+// The most leaves the kernel folds (slots 0, 1 in registers, 2 in shared memory).
+constexpr int kTreeMaxLeaves = 8;
 
 // Rows of A that a decode-size K-major A tile loads when m <= 16: the other rows of the 64-row
 // wgmma tile keep whatever shared memory held and only feed output rows >= m, which are never
@@ -150,11 +164,11 @@ __device__ __forceinline__ void store_two_blocks(const Sm90Epilogue& ep, int64_t
 
 #endif  // RL_ALIGN_SM90A_DEVICE
 
-template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM>
+template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
     linear_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
                             const __grid_constant__ CUtensorMap tma_b, Sm90Epilogue ep, int m,
-                            int n, int k, uint32_t stage_tx_bytes) {
+                            int n, int k, uint32_t stage_tx_bytes, int leaves) {
 #ifdef RL_ALIGN_SM90A_DEVICE
   constexpr int BM = Cfg::BM, BN = Cfg::BN, STAGES = Cfg::STAGES, CLUSTER = Cfg::CLUSTER;
   extern __shared__ uint8_t smem_raw[];
@@ -162,6 +176,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   uint8_t* ring = smem_raw + ((raw + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes * kSwizzleAtomBytes - raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + STAGES * Cfg::STAGE_BYTES);
   uint64_t* empty = full + STAGES;
+  float* tree_slot = reinterpret_cast<float*>(empty + STAGES);
   auto a_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
   auto b_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES + Cfg::A_STAGE_BYTES; };
 
@@ -272,47 +287,87 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         }
         fence_accumulators(acc);
       }
-      int held_stage = -1;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait(&full[stage], phase);
-        const uint32_t a_base = smem_addr(a_stage(stage)) + a_offset;
-        const uint32_t b_base = smem_addr(b_stage(stage));
-        wgmma_fence();
-        // The k16 chunks go in increasing k: this order is the invariance contract.
+      // k-blocks [kb_begin, kb_end) into d; from zero (scale-d = 0 on the first chunk) if `fresh`.
+      auto mainloop = [&](float (&d)[BN / 2], int kb_begin, int kb_end, bool fresh) {
+        int held_stage = -1;
+        for (int kb = kb_begin; kb < kb_end; ++kb) {
+          mbar_wait(&full[stage], phase);
+          const uint32_t a_base = smem_addr(a_stage(stage)) + a_offset;
+          const uint32_t b_base = smem_addr(b_stage(stage));
+          wgmma_fence();
+          // The k16 chunks go in increasing k: this order is the invariance contract.
 #pragma unroll
-        for (int s = 0; s < kBlockK / kMmaK; ++s) {
-          Wgmma<BN, T>::template mma<A_MN ? 1 : 0, B_MN ? 1 : 0>(
-              acc, smem_desc(chunk_addr<A_MN>(a_base, s), kMnChunkBytes, kSwizzleAtomBytes),
-              smem_desc(chunk_addr<B_MN>(b_base, s), kMnChunkBytes, kSwizzleAtomBytes),
-              HAS_ACCUM || kb > 0 || s > 0);
-        }
-        wgmma_commit();
-        // Keep this k-block's MMAs in flight; the previous block's are done, free its stage.
-        wgmma_wait<1>();
-        if (held_stage >= 0 && tid == 0) release(held_stage);
-        held_stage = stage;
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-      wgmma_wait<0>();
-      fence_accumulators(acc);
-      if (held_stage >= 0 && tid == 0) release(held_stage);
-#pragma unroll
-      for (int j = 0; j < BN / 8; j += 2) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t row = row0 + 8 * h;
-          const int a = 4 * j + 2 * h, b = a + 4;  // block j's pair, block j + 1's pair
-          if constexpr (C_FP32) {
-            store_pair_fp32(ep, m, n, row, col0 + 8 * j, acc[a], acc[a + 1]);
-            store_pair_fp32(ep, m, n, row, col0 + 8 * j + 8, acc[b], acc[b + 1]);
-          } else {
-            store_two_blocks<T>(ep, m, n, row, col0 - 2 * (lane % 4) + 8 * j, lane, acc[a],
-                                acc[a + 1], acc[b], acc[b + 1]);
+          for (int s = 0; s < kBlockK / kMmaK; ++s) {
+            Wgmma<BN, T>::template mma<A_MN ? 1 : 0, B_MN ? 1 : 0>(
+                d, smem_desc(chunk_addr<A_MN>(a_base, s), kMnChunkBytes, kSwizzleAtomBytes),
+                smem_desc(chunk_addr<B_MN>(b_base, s), kMnChunkBytes, kSwizzleAtomBytes),
+                !fresh || kb > kb_begin || s > 0);
+          }
+          wgmma_commit();
+          // Keep this k-block's MMAs in flight; the previous block's are done, free its stage.
+          wgmma_wait<1>();
+          if (held_stage >= 0 && tid == 0) release(held_stage);
+          held_stage = stage;
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
           }
         }
+        wgmma_wait<0>();
+        fence_accumulators(d);
+        if (held_stage >= 0 && tid == 0) release(held_stage);
+      };
+      auto store_tile = [&](const float (&d)[BN / 2]) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; j += 2) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int64_t row = row0 + 8 * h;
+            const int a = 4 * j + 2 * h, b = a + 4;  // block j's pair, block j + 1's pair
+            if constexpr (C_FP32) {
+              store_pair_fp32(ep, m, n, row, col0 + 8 * j, d[a], d[a + 1]);
+              store_pair_fp32(ep, m, n, row, col0 + 8 * j + 8, d[b], d[b + 1]);
+            } else {
+              store_two_blocks<T>(ep, m, n, row, col0 - 2 * (lane % 4) + 8 * j, lane, d[a],
+                                  d[a + 1], d[b], d[b + 1]);
+            }
+          }
+        }
+      };
+      if constexpr (!TREE) {
+        mainloop(acc, 0, k_blocks, !HAS_ACCUM);
+        store_tile(acc);
+      } else {
+        // Slot 0 (the even leaf) and slot 1 in registers; slot 2 in this thread's column of
+        // shared memory (consecutive threads, consecutive words).
+        float even[BN / 2], slot1[BN / 2];
+        float* slot2 = tree_slot + consumer * kWarpgroupThreads * (BN / 2) + tid;
+        const int leaf_blocks = k_blocks / leaves;
+#pragma unroll
+        for (int leaf = 0; leaf < kTreeMaxLeaves; ++leaf) {
+          if (leaf >= leaves) break;
+          if (leaf % 2 == 0) {
+            mainloop(even, leaf * leaf_blocks, (leaf + 1) * leaf_blocks, true);
+            continue;
+          }
+          mainloop(acc, leaf * leaf_blocks, (leaf + 1) * leaf_blocks, true);
+          // rank_sum's counter after part `leaf` (odd): carry = slot0 + part, then up through
+          // the set bits of `leaf`, each time slot + carry.
+#pragma unroll
+          for (int e = 0; e < BN / 2; ++e) {
+            const float pair = __fadd_rn(even[e], acc[e]);
+            if (leaf % 4 == 1) {
+              slot1[e] = pair;
+            } else if (leaf == 3) {
+              slot1[e] = __fadd_rn(slot1[e], pair);
+              if (leaves > 4) slot2[e * kWarpgroupThreads] = slot1[e];
+            } else {  // leaf 7
+              slot1[e] = __fadd_rn(slot2[e * kWarpgroupThreads], __fadd_rn(slot1[e], pair));
+            }
+          }
+        }
+        // The last leaf's carry went all the way up: slot 1 holds the root.
+        store_tile(slot1);
       }
     }
   }
@@ -342,18 +397,19 @@ bool encode_operand(CUtensorMap* map, DType dtype, const void* ptr, int64_t inne
   return r == CUDA_SUCCESS;
 }
 
-template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM>
+template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE>
 gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
-  auto kernel = linear_gemm_sm90_kernel<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM>;
+  auto kernel = linear_gemm_sm90_kernel<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>;
+  constexpr int kSmemBytes = Cfg::SMEM_BYTES + (TREE ? Cfg::TREE_SLOT_BYTES : 0);
   static std::once_flag once;
   static int blocks_per_sm = 0;
   static gpuError_t setup_error = cudaSuccess;
   std::call_once(once, [&] {
     setup_error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       Cfg::SMEM_BYTES);
+                                       kSmemBytes);
     if (setup_error == cudaSuccess)
       setup_error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
-                                                                  Cfg::THREADS, Cfg::SMEM_BYTES);
+                                                                  Cfg::THREADS, kSmemBytes);
   });
   if (setup_error != cudaSuccess) return setup_error;
   CUtensorMap map_a, map_b;
@@ -373,7 +429,7 @@ gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(Cfg::THREADS);
-  config.dynamicSmemBytes = Cfg::SMEM_BYTES;
+  config.dynamicSmemBytes = kSmemBytes;
   config.stream = stream;
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -383,21 +439,26 @@ gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   config.attrs = &cluster;
   config.numAttrs = 1;
   const gpuError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_b, ep, static_cast<int>(p.m),
-                                            static_cast<int>(p.n), static_cast<int>(p.k), tx_bytes);
+                                            static_cast<int>(p.n), static_cast<int>(p.k), tx_bytes,
+                                            static_cast<int>(TREE ? p.tree_leaves : 1));
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
-template <typename T, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM>
+template <typename T, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE = false>
 gpuError_t dispatch_config(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   if (p.m <= 64) {
     using Cfg = typename std::conditional<B_MN, DecodeMnConfig, DecodeConfig>::type;
-    return launch_sm90<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM>(dtype, p, stream);
+    return launch_sm90<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
   }
-  const int64_t large_tiles = ceil_div(p.m, LargeConfig::BM) * ceil_div(p.n, LargeConfig::BN);
-  if (large_tiles < multiprocessor_count(current_device()))
-    return launch_sm90<T, MediumConfig, A_MN, B_MN, C_FP32, HAS_ACCUM>(dtype, p, stream);
-  return launch_sm90<T, LargeConfig, A_MN, B_MN, C_FP32, HAS_ACCUM>(dtype, p, stream);
+  if constexpr (TREE) {
+    return launch_sm90<T, TreeConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
+  } else {
+    const int64_t large_tiles = ceil_div(p.m, LargeConfig::BM) * ceil_div(p.n, LargeConfig::BN);
+    if (large_tiles < multiprocessor_count(current_device()))
+      return launch_sm90<T, MediumConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
+    return launch_sm90<T, LargeConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
+  }
 }
 
 // The layouts and outputs the linear ops use: forward, also as fp32 leaf sums (linear_tree); grad input, also as fp32 partial sums
@@ -407,6 +468,20 @@ template <typename T>
 gpuError_t dispatch_layout(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   const bool accum = p.c_accum != nullptr;
   if (accum && !p.c_fp32) return cudaErrorNotSupported;
+  if (p.tree_leaves > 1) {  // linear_tree: forward or grad input, fp32 partial or rounded
+    if (accum || p.a_mn_major || !linear_gemm_sm90_tree_supported(p.k, p.tree_leaves))
+      return cudaErrorNotSupported;
+    if (p.b_mn_major) {
+      if (p.bias != nullptr) return cudaErrorNotSupported;
+      if (p.c_fp32) return dispatch_config<T, false, true, true, false, true>(dtype, p, stream);
+      return dispatch_config<T, false, true, false, false, true>(dtype, p, stream);
+    }
+    if (p.c_fp32) {
+      if (p.bias != nullptr) return cudaErrorNotSupported;
+      return dispatch_config<T, false, false, true, false, true>(dtype, p, stream);
+    }
+    return dispatch_config<T, false, false, false, false, true>(dtype, p, stream);
+  }
   if (!p.a_mn_major && !p.b_mn_major && !p.c_fp32)
     return dispatch_config<T, false, false, false, false>(dtype, p, stream);  // forward
   if (!p.a_mn_major && !p.b_mn_major && !accum && p.bias == nullptr)  // a tree-mode leaf (linear_tree)
@@ -427,10 +502,14 @@ gpuError_t dispatch_layout(DType dtype, const GemmProblem& p, gpuStream_t stream
 
 }  // namespace
 
+bool linear_gemm_sm90_tree_supported(int64_t k, int64_t leaves) {
+  return (leaves == 2 || leaves == 4 || leaves == kTreeMaxLeaves) && k % (leaves * kBlockK) == 0;
+}
+
 bool gemm_sm90_compiled_for(int device) {
   cudaFuncAttributes attr{};
   if (cudaFuncGetAttributes(&attr, linear_gemm_sm90_kernel<bfloat16_t, LargeConfig, false, false,
-                                                           false, false>) != cudaSuccess) {
+                                                           false, false, false>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -455,6 +534,7 @@ gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t strea
 
 namespace rl_align {
 bool gemm_sm90_compiled_for(int) { return false; }
+bool linear_gemm_sm90_tree_supported(int64_t, int64_t) { return false; }
 gpuError_t linear_gemm_sm90(DType, const GemmProblem&, gpuStream_t) {
   return hipErrorNotSupported;
 }
