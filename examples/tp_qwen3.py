@@ -64,14 +64,22 @@ def make_batch(dims: dict, device, batch: int = 3, seq: int = 12):
     return ids.to(device), mask.to(device), weights.to(device)
 
 
-def run(model, dims: dict, device, batch: int = 3, seq: int = 12, new_tokens: int = 4) -> dict:
+def digest(t: torch.Tensor) -> int:
+    """An order-sensitive checksum of a tensor's bits (integer arithmetic, on its device)."""
+    bits = t.detach().contiguous().view(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()]).long()
+    return int((bits * (torch.arange(bits.numel(), device=bits.device) % 65521 + 1)).sum()) % (1 << 61)
+
+
+def run(model, dims: dict, device, batch: int = 3, seq: int = 12, new_tokens: int = 4, grad_as=None) -> dict:
     """Every result the ranks compare: log-probs (padded, packed), the loss's gradients (whole:
-    shards gathered; a collective), the sampler's tokens and log-probs and the trainer's of them."""
+    shards gathered; a collective; each kept as ``grad_as(tensor)``, default a CPU copy), the
+    sampler's tokens and log-probs and the trainer's of them."""
+    grad_as = grad_as or (lambda t: t.cpu())
     ids, mask, weights = make_batch(dims, device, batch, seq)
     model.zero_grad(set_to_none=True)
     lp = rl.token_logprobs(model, ids, mask)
     (lp * weights).sum().backward()
-    grads = {k: (None if v is None else v.cpu()) for k, v in rl.tp_full_tensors(model, grads=True).items()}
+    grads = {k: (None if v is None else grad_as(v)) for k, v in rl.tp_full_tensors(model, grads=True).items()}
     lengths = mask.sum(1)
     packed_ids = torch.cat([ids[b, :n] for b, n in enumerate(lengths.tolist())])
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
@@ -87,7 +95,8 @@ def run(model, dims: dict, device, batch: int = 3, seq: int = 12, new_tokens: in
 def differences(a: dict, b: dict) -> list[str]:
     """The results of two runs that are not the same bits (names)."""
     out = [k for k in ("logprobs", "packed", "gen_tokens", "gen_logprobs") if not torch.equal(a[k], b[k])]
-    out += [f"grad {k}" for k in a["grads"] if not torch.equal(a["grads"][k], b["grads"][k])]
+    same = lambda x, y: torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y  # noqa: E731
+    out += [f"grad {k}" for k in a["grads"] if not same(a["grads"][k], b["grads"][k])]
     return out
 
 

@@ -158,5 +158,7 @@ def test_fused_kernel_equals_leaf_by_leaf(monkeypatch, leaves, m):
         split = calls()
     for a, b_ in zip(fused, split):
         assert torch.equal(a, b_)
-    assert fused_record.counts.get(("linear_gemm", "sm90")) == 4 and ("rank_sum", "simt") not in fused_record.counts
-    assert split_record.counts.get(("linear_gemm", "sm90")) == 4 * leaves
+    assert fused_record.counts.get(("linear_gemm", "cuda/sm90")) == 4
+    assert ("rank_sum", "cuda/simt") not in fused_record.counts
+    assert split_record.counts.get(("linear_gemm", "cuda/sm90")) == 4 * leaves
+    assert split_record.counts.get(("rank_sum", "cuda/simt")) == 4

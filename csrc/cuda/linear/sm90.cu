@@ -67,8 +67,9 @@ using DecodeMnConfig = Sm90Config<64, 64, 8>;
 using MediumConfig = Sm90Config<128, 128, 6>;
 using LargeConfig = Sm90Config<128, 256, 4, 2>;
 // Tree mode above decode size: three 64-column-pair register sets per thread (acc, even leaf,
-// slot 1) fit at BN = 128, not 256; four stages leave room for the slot-2 tile.
-using TreeConfig = Sm90Config<128, 128, 4>;
+// slot 1) fit at BN = 128, not 256; five stages leave room for the slot-2 tile; pairs of row tiles
+// share B (multicast), as LargeConfig's.
+using TreeConfig = Sm90Config<128, 128, 5, 2>;
 // The most leaves the kernel folds (slots 0, 1 in registers, 2 in shared memory).
 constexpr int kTreeMaxLeaves = 8;
 
@@ -287,9 +288,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         }
         fence_accumulators(acc);
       }
-      // k-blocks [kb_begin, kb_end) into d; from zero (scale-d = 0 on the first chunk) if `fresh`.
-      auto mainloop = [&](float (&d)[BN / 2], int kb_begin, int kb_end, bool fresh) {
-        int held_stage = -1;
+      // Issues k-blocks [kb_begin, kb_end) into d (from zero: scale-d = 0 on the first chunk, if
+      // `fresh`), keeping one k-block's MMAs in flight; drain() waits for all of them. Two leaves
+      // (two register sets) go back to back without a drain between them.
+      int held_stage = -1;
+      auto issue = [&](float (&d)[BN / 2], int kb_begin, int kb_end, bool fresh) {
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(&full[stage], phase);
           const uint32_t a_base = smem_addr(a_stage(stage)) + a_offset;
@@ -313,9 +316,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             phase ^= 1;
           }
         }
+      };
+      auto drain = [&] {
         wgmma_wait<0>();
-        fence_accumulators(d);
         if (held_stage >= 0 && tid == 0) release(held_stage);
+        held_stage = -1;
       };
       auto store_tile = [&](const float (&d)[BN / 2]) {
 #pragma unroll
@@ -335,7 +340,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         }
       };
       if constexpr (!TREE) {
-        mainloop(acc, 0, k_blocks, !HAS_ACCUM);
+        issue(acc, 0, k_blocks, !HAS_ACCUM);
+        drain();
+        fence_accumulators(acc);
         store_tile(acc);
       } else {
         // Slot 0 (the even leaf) and slot 1 in registers; slot 2 in this thread's column of
@@ -347,10 +354,13 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         for (int leaf = 0; leaf < kTreeMaxLeaves; ++leaf) {
           if (leaf >= leaves) break;
           if (leaf % 2 == 0) {
-            mainloop(even, leaf * leaf_blocks, (leaf + 1) * leaf_blocks, true);
+            issue(even, leaf * leaf_blocks, (leaf + 1) * leaf_blocks, true);
             continue;
           }
-          mainloop(acc, leaf * leaf_blocks, (leaf + 1) * leaf_blocks, true);
+          issue(acc, leaf * leaf_blocks, (leaf + 1) * leaf_blocks, true);
+          drain();
+          fence_accumulators(even);
+          fence_accumulators(acc);
           // rank_sum's counter after part `leaf` (odd): carry = slot0 + part, then up through
           // the set bits of `leaf`, each time slot + carry.
 #pragma unroll
