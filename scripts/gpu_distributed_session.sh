@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One multi-GPU device call: build with nvcc (sm_90a), the rank_sum tests on one GPU, then for the
 # machine's GPU count W and for 2: scripts/gpu_distributed.py (correctness, NCCL control) and
-# benchmarks/bench_distributed.py (A-B-B-A vs NCCL), each logging under $OUT.
-#   usage: [BUILD=0] [WORLDS="4 2"] [STAGES="tests check bench"] bash scripts/gpu_distributed_session.sh
+# benchmarks/bench_distributed.py (A-B-B-A vs NCCL), each logging under $OUT. Stage tp: the
+# tree-mode linear tests and benchmark on one GPU, then scripts/gpu_tensor_parallel.py on all the
+# GPUs (TP = W and 2 vs TP = 1, FSDP2, torch-TP control, step timings).
+#   usage: [BUILD=0] [WORLDS="4 2"] [STAGES="tests check bench tp"] bash scripts/gpu_distributed_session.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rl_out}
@@ -22,6 +24,12 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has tests; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_rank_sum.py tests/test_registry.py \
     tests/test_distributed.py -k "rank_sum or nccl" 2>&1 | tee "$OUT/pytest_multi.log" | tail -4
+fi
+if has tp; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_linear_tree.py 2>&1 | tee "$OUT/pytest_tree.log" | tail -2
+  timeout 300 python3 benchmarks/bench_tree_linear.py --device cuda --out "$OUT" --ms 1,64,512,4096 2>&1 \
+    | tee "$OUT/bench_tree_linear.log" | tail -6
+  timeout 600 python3 scripts/gpu_tensor_parallel.py --world "$gpus" --out "$OUT" 2>&1 | tee "$OUT/gpu_tp.log" | grep -v Warning
 fi
 for w in $WORLDS; do
   if has check; then

@@ -350,13 +350,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         float even[BN / 2], slot1[BN / 2];
         float* slot2 = tree_slot + consumer * kWarpgroupThreads * (BN / 2) + tid;
         const int leaf_blocks = k_blocks / leaves;
+        // Leaves in pairs (even into `even`, odd into `acc`, back to back); a pair's end is the
+        // only place the loop may stop, with no MMA in flight (a branch while MMAs are in flight
+        // makes ptxas serialize them).
 #pragma unroll
-        for (int leaf = 0; leaf < kTreeMaxLeaves; ++leaf) {
-          if (leaf >= leaves) break;
-          if (leaf % 2 == 0) {
-            issue(even, leaf * leaf_blocks, (leaf + 1) * leaf_blocks, true);
-            continue;
-          }
+        for (int pair = 0; pair < kTreeMaxLeaves / 2; ++pair) {
+          if (2 * pair >= leaves) break;
+          const int leaf = 2 * pair + 1;
+          issue(even, (leaf - 1) * leaf_blocks, leaf * leaf_blocks, true);
           issue(acc, leaf * leaf_blocks, (leaf + 1) * leaf_blocks, true);
           drain();
           fence_accumulators(even);
@@ -365,14 +366,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           // the set bits of `leaf`, each time slot + carry.
 #pragma unroll
           for (int e = 0; e < BN / 2; ++e) {
-            const float pair = __fadd_rn(even[e], acc[e]);
-            if (leaf % 4 == 1) {
-              slot1[e] = pair;
-            } else if (leaf == 3) {
-              slot1[e] = __fadd_rn(slot1[e], pair);
+            const float sum = __fadd_rn(even[e], acc[e]);
+            if (pair % 2 == 0) {  // leaf 1 or 5
+              slot1[e] = sum;
+            } else if (pair == 1) {  // leaf 3
+              slot1[e] = __fadd_rn(slot1[e], sum);
               if (leaves > 4) slot2[e * kWarpgroupThreads] = slot1[e];
             } else {  // leaf 7
-              slot1[e] = __fadd_rn(slot2[e * kWarpgroupThreads], __fadd_rn(slot1[e], pair));
+              slot1[e] = __fadd_rn(slot2[e * kWarpgroupThreads], __fadd_rn(slot1[e], sum));
             }
           }
         }
