@@ -27,7 +27,7 @@ if has tests; then
 fi
 if has tp; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_linear_tree.py 2>&1 | tee "$OUT/pytest_tree.log" | tail -2
-  timeout 300 python3 benchmarks/bench_tree_linear.py --device cuda --out "$OUT" --ms 1,64,512,4096 2>&1 \
+  timeout 300 python3 benchmarks/bench_tree_linear.py --device cuda --out "$OUT" --ms 1,64,4096 2>&1 \
     | tee "$OUT/bench_tree_linear.log" | tail -6
   timeout 600 python3 scripts/gpu_tensor_parallel.py --world "$gpus" --out "$OUT" 2>&1 | tee "$OUT/gpu_tp.log" | grep -v Warning
 fi
