@@ -329,10 +329,17 @@ def fp32_grad_accumulation(model: nn.Module) -> Fp32GradAccumulation:
     ``main_grad`` being their sum. Other parameters keep ``.grad``. Returns the handle:
     ``.zero_()`` per optimizer step, ``.revert()``.
 
-    Raises ValueError for a parameter held by two modules of one kind (or one module registered
+    Raises ValueError for a tensor-parallel patched model (its layers' backward is their own), for a
+    parameter held by two modules of one kind (or one module registered
     twice) or also held under a name that is not such a module's parameter: its uses would share an
     fp32 chain in an order one batch does not reproduce; and for one that already has a ``main_grad``.
     """
+    tensor_parallel = [name for name, module in model.named_modules() if "_rl_align_tp" in vars(module)]
+    if tensor_parallel:
+        raise ValueError(
+            f"rl_engine_ext.fp32_grad_accumulation: {tensor_parallel[0]} runs a tensor-parallel layer (patch(model, "
+            "tp_group=...) or tp_invariant=True), whose backward does not continue main_grad chains; its gradients "
+            "would go to .grad and main_grad would stay zero. Accumulate in .grad, or patch without tensor parallelism")
     names: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)

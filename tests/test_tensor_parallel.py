@@ -89,3 +89,11 @@ def test_tp_invariant_model_reverts():
     rl.unpatch(model)
     assert rl.patch_handle(model) is None
     assert not any("_rl_align_tp" in vars(m) for m in model.modules())
+
+
+def test_fp32_grad_accumulation_refuses_tensor_parallel_layers():
+    """Their backward keeps .grad (no main_grad chain): refused rather than leaving main_grad zero."""
+    import rl_engine_ext as rl
+
+    with pytest.raises(ValueError, match="runs a tensor-parallel layer"):
+        rl.fp32_grad_accumulation(build_model(TINY, "cpu", tp_invariant=True))
