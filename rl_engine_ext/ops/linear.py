@@ -270,26 +270,32 @@ def _bad_inputs(device: str) -> list[BadInput]:
     return bad
 
 
-def _invariance_case(device: str, dtype: torch.dtype, rows: int, out_features: int, in_features: int) -> InvarianceCase:
-    x = seeded_randn(rows, in_features, dtype=dtype, device=device, seed=rows)
-    weight = seeded_randn(out_features, in_features, dtype=dtype, device=device, seed=in_features) * in_features**-0.5
-    bias = seeded_randn(out_features, dtype=dtype, device=device, seed=out_features)
+def invariance_case_for(forward):
+    """The status-matrix case builder of a linear-shaped op ``forward(x, weight, bias)`` whose weight
+    and bias gradients are linear's (linear; linear_tree's tree_linear)."""
 
-    def chain(row_inputs, cotangents, accum):
-        dy, x_rows = cotangents[0], row_inputs[0]
-        return {
-            "weight": linear_grad_weight(dy, x_rows, None if accum is None else accum["weight"]),
-            "bias": linear_grad_bias(dy, None if accum is None else accum["bias"]),
-        }
+    def case(device: str, dtype: torch.dtype, rows: int, out_features: int, in_features: int) -> InvarianceCase:
+        x = seeded_randn(rows, in_features, dtype=dtype, device=device, seed=rows)
+        weight = seeded_randn(out_features, in_features, dtype=dtype, device=device, seed=in_features) * in_features**-0.5
+        bias = seeded_randn(out_features, dtype=dtype, device=device, seed=out_features)
 
-    return InvarianceCase(
-        fn=lambda x, weight, bias: linear(x, weight, bias),
-        rows=[x],
-        params={"weight": weight, "bias": bias},
-        weight_grad_tile=LINEAR_GRAD_TILE_TOKENS,
-        weight_grad_chain=chain,
-        accuracy=lambda: (linear(x, weight, bias), reference_forward_fp32(x, weight, bias)),
-    )
+        def chain(row_inputs, cotangents, accum):
+            dy, x_rows = cotangents[0], row_inputs[0]
+            return {
+                "weight": linear_grad_weight(dy, x_rows, None if accum is None else accum["weight"]),
+                "bias": linear_grad_bias(dy, None if accum is None else accum["bias"]),
+            }
+
+        return InvarianceCase(
+            fn=lambda x, weight, bias: forward(x, weight, bias),
+            rows=[x],
+            params={"weight": weight, "bias": bias},
+            weight_grad_tile=LINEAR_GRAD_TILE_TOKENS,
+            weight_grad_chain=chain,
+            accuracy=lambda: (forward(x, weight, bias), reference_forward_fp32(x, weight, bias)),
+        )
+
+    return case
 
 
 def _autocast_args(device, act):
@@ -326,7 +332,7 @@ SPEC = OpSpec(
     bad_inputs=_bad_inputs,
     check_shapes=({"rows": 257, "out_features": 512, "in_features": 1024},
                   {"rows": 130, "out_features": 33, "in_features": 100}),
-    invariance_case=_invariance_case,
+    invariance_case=invariance_case_for(linear),
     constants={"LINEAR_GRAD_TILE_TOKENS": LINEAR_GRAD_TILE_TOKENS},
     autocast_cases=(AutocastCase(OP, _autocast_args, linear, torch.nn.functional.linear),),
     host_cost_args=_host_cost_args,

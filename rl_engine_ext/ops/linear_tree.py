@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 
 from . import _checks
-from ._spec import BadInput, InvarianceCase, OpDef, OPS, OpSpec, Sample, seeded_randn
-from .linear import (LINEAR_GRAD_TILE_TOKENS, _matmul_fp32, check_grad_input, check_linear, linear_grad_bias,
-                     linear_grad_weight, reference_forward_fp32)
+from ._spec import BadInput, OpDef, OPS, OpSpec, Sample, seeded_randn
+from .linear import _matmul_fp32, check_grad_input, check_linear, invariance_case_for, reference_forward_fp32
 from .rank_sum import RANK_SUM_MAX_PARTS, tree_sum_fp32
 
 OP = "linear_tree"
@@ -178,28 +177,6 @@ def _bad_inputs(device: str) -> list[BadInput]:
     return bad
 
 
-def _invariance_case(device: str, dtype: torch.dtype, rows: int, out_features: int, in_features: int) -> InvarianceCase:
-    x = seeded_randn(rows, in_features, dtype=dtype, device=device, seed=rows)
-    weight = seeded_randn(out_features, in_features, dtype=dtype, device=device, seed=in_features) * in_features**-0.5
-    bias = seeded_randn(out_features, dtype=dtype, device=device, seed=out_features)
-
-    def chain(row_inputs, cotangents, accum):
-        dy, x_rows = cotangents[0], row_inputs[0]
-        return {
-            "weight": linear_grad_weight(dy, x_rows, None if accum is None else accum["weight"]),
-            "bias": linear_grad_bias(dy, None if accum is None else accum["bias"]),
-        }
-
-    return InvarianceCase(
-        fn=lambda x, weight, bias: tree_linear(x, weight, bias),
-        rows=[x],
-        params={"weight": weight, "bias": bias},
-        weight_grad_tile=LINEAR_GRAD_TILE_TOKENS,
-        weight_grad_chain=chain,
-        accuracy=lambda: (tree_linear(x, weight, bias), reference_forward_fp32(x, weight, bias)),
-    )
-
-
 SPEC = OpSpec(
     name=OP,
     op_class="reduction",
@@ -218,6 +195,6 @@ SPEC = OpSpec(
     bad_inputs=_bad_inputs,
     check_shapes=({"rows": 257, "out_features": 512, "in_features": 1024},
                   {"rows": 130, "out_features": 40, "in_features": 96}),
-    invariance_case=_invariance_case,
+    invariance_case=invariance_case_for(tree_linear),
     constants={"LINEAR_TREE_LEAVES": LINEAR_TREE_LEAVES},
 )
