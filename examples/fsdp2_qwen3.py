@@ -21,6 +21,7 @@ off. README, "Many GPUs".
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -128,7 +129,13 @@ def main() -> None:
             print(f"log-probs == the unsharded model's in one process, every rank: {bool(flags.item())}")
         if not flags.item():
             raise SystemExit(1)
-    dist.barrier()  # no rank tears gloo down while another still talks to it (a rank then aborted at exit)
+    # The model and the mesh hold the process group (patched modules reference themselves: freed
+    # only by the cycle collector), and a gloo group first freed during interpreter exit can abort
+    # the process ("terminate called without an active exception"): free them now, then tear down
+    # together.
+    model = optimizer = mesh = alone = None  # noqa: F841
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ README, "Tensor parallelism".
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -125,6 +126,10 @@ def main() -> None:
         ok = ok and not diff
     flags = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    # The model holds the process group (patched modules reference themselves: freed only by the
+    # cycle collector), and a gloo group first freed during interpreter exit can abort the process
+    # ("terminate called without an active exception"): free it now, then tear down together.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     if not flags.item():
