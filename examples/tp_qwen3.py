@@ -41,13 +41,15 @@ DIMS = {
 }
 
 
-def build_model(dims: dict, device, tp_group=None, tp_invariant: bool = False, patched: bool = True):
+def build_model(dims: dict, device, tp_group=None, tp_invariant: bool = False, patched: bool = True,
+                tied: bool = False):
     """The model, the same bf16 weights on every rank (seeded); patched with ``tp_group`` (its
-    shards kept) or ``tp_invariant`` (unsharded, TP = 1), or left unpatched."""
+    shards kept) or ``tp_invariant`` (unsharded, TP = 1), or left unpatched. ``tied``: the LM head
+    shares the embedding's weight (Qwen3 0.6B-4B)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(**dims, max_position_embeddings=4096, tie_word_embeddings=False)
+    config = Qwen3Config(**dims, max_position_embeddings=4096, tie_word_embeddings=tied)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(dtype=torch.bfloat16)
     if patched:

@@ -43,6 +43,14 @@ def test_tiny_qwen3_equals_tp1(tp1, world):
     assert (got["gen_logprobs"] != 0).any()
 
 
+def test_tied_embedding_and_lm_head():
+    """A tied embedding / LM head (one weight, sharded once by vocabulary rows): TP = 2 == TP = 1."""
+    ref = run(build_model(TINY, "cpu", tp_invariant=True, tied=True), TINY, "cpu")
+    got = run_ranks(2, model_rank, TINY, "cpu", False, True)[0]
+    assert torch.equal(got["grads"]["lm_head.weight"], got["grads"]["model.embed_tokens.weight"])  # one parameter
+    assert differences(got, ref) == []
+
+
 def test_tree_mode_differs_from_plain_numerics(tp1):
     """The tree numerics are their own: the plain patched model's gradients differ (so the tests
     above compare something that TP could move)."""
