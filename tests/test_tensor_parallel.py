@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from tp_workers import TINY, build_model, differences, fsdp_trainer_rank, layers, model_rank, refusals, run
+from tp_workers import (TINY, build_family, build_model, differences, family_rank, fsdp_trainer_rank, layers, model_rank,
+                        refusals, run)
 
 pytest.importorskip("transformers")
 
@@ -41,6 +42,14 @@ def test_tiny_qwen3_equals_tp1(tp1, world):
     assert len(got["grads"]) == 25 and all(g is not None for g in got["grads"].values())
     assert torch.equal(got["gen_logprobs"], got["gen_trainer"])  # the sampler is the trainer
     assert (got["gen_logprobs"] != 0).any()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_and_qwen2_equal_tp1(family):
+    """Llama (attention biases: q/k/v's sharded with their rows, o's whole, added after the sum)
+    and Qwen2 (q/k/v biases; no q/k norms) at TP = 2 == TP = 1."""
+    ref = run(build_family(family, tp_invariant=True), TINY, "cpu")
+    assert differences(run_ranks(2, family_rank, family)[0], ref) == []
 
 
 def test_tied_embedding_and_lm_head():

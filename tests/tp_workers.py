@@ -24,6 +24,30 @@ def _device(rank: int, device: str) -> torch.device:
     return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
 
 
+def build_family(family: str, tp_group=None, tp_invariant: bool = False):
+    """A tiny Llama (attention biases: q/k/v's sharded, o's whole) or Qwen2 (q/k/v biases), patched
+    like the example's Qwen3."""
+    import rl_engine_ext as rl
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    dims = {k: v for k, v in TINY.items() if k != "head_dim"}
+    if family == "llama":
+        config = LlamaConfig(**dims, head_dim=TINY["head_dim"], attention_bias=True, max_position_embeddings=512,
+                             tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**dims, max_position_embeddings=512, tie_word_embeddings=False))
+    model = model.to(torch.bfloat16)
+    rl.patch(model, tp_group=tp_group, tp_invariant=tp_invariant)
+    return model
+
+
+def family_rank(rank: int, world: int, family: str) -> dict | None:
+    result = run(build_family(family, tp_group=dist.group.WORLD), TINY, "cpu")
+    return result if rank == 0 else None
+
+
 def layer_inputs(device, m=5, k=256, n=48, dtype=torch.bfloat16, seed=3):
     """x [m, k], a weight [n, k] and bias, a cotangent dy [m, n]: large-ish values so that the
     order of a sum shows in its bits."""
