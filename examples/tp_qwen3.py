@@ -88,8 +88,9 @@ def run(model, dims: dict, device, batch: int = 3, seq: int = 12, new_tokens: in
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
     with torch.no_grad():
         packed = rl.token_logprobs(model, packed_ids, cu_seqlens=cu)
-        gen = rl.generate_with_logprobs(model, ids[:2, : seq // 2], do_sample=False, max_new_tokens=new_tokens,
-                                        pad_token_id=0)
+        prompts = ids[:2, : seq // 2]
+        gen = rl.generate_with_logprobs(model, prompts, torch.ones_like(prompts), do_sample=False,
+                                        max_new_tokens=new_tokens, pad_token_id=0)
         trainer = rl.token_logprobs(model, gen.sequences, gen.attention_mask)
     return {"logprobs": lp.detach().cpu(), "packed": packed.cpu(), "grads": grads, "gen_tokens": gen.sequences.cpu(),
             "gen_logprobs": gen.logprobs.cpu(), "gen_trainer": torch.where(gen.completion_mask, trainer, 0.0).cpu()}

@@ -1109,6 +1109,9 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         hidden = base(input_ids=ids, position_ids=positions, attention_mask=batch, use_cache=False).last_hidden_state
         if plain_head:
             return _mg.linear_logprob(hidden, lm_head.weight, targets, temperature, return_entropy, lm_head.bias)
+        if _TP in vars(lm_head):  # tensor parallel: logprob of the gathered logits, in token chunks
+            return _tp.vocab_parallel_logprob(hidden, lm_head.weight, lm_head.bias, targets, temperature,
+                                              return_entropy, tp=vars(lm_head)[_TP].tp)
         # the head's logits, rounded as the sampler rounds generate()'s fp32 copy of them
         return logprob(lm_head(hidden).to(head_dtype), targets, temperature, return_entropy)
 

@@ -25,7 +25,9 @@ a group of one) runs the same tree in one op. Per layer:
 A TP degree must divide 8 (1, 2, 4, 8). The logits are gathered whole on every rank (exact
 copies), so ``logprob`` of them is the one-GPU op's bits; this costs a [tokens, vocab] all-gather
 (in the logits' dtype) where merging per-rank (max, sum of exp) partials would move a few floats
-per token. Communication in backward is fp32 (a partial's bits must survive until the last add).
+per token. ``vocab_parallel_logprob`` (token_logprobs' path) takes the tokens in linear_logprob's
+chunks and recomputes a chunk's logits in backward, so one chunk's logits exist at a time.
+Communication in backward is fp32 (a partial's bits must survive until the last add).
 
 ``rl_engine_ext.patch(model, tp_group=group)`` applies these layers to a Hugging Face Llama /
 Qwen2 / Qwen3 model (hf.py); ``patch(model, tp_invariant=True)`` gives the same numerics
@@ -41,7 +43,9 @@ import torch.distributed as dist
 
 from . import distributed
 from .ops._spec import OPS
+from .ops.linear_logprob import linear_logprob_chunk_tokens
 from .ops.linear_tree import LINEAR_TREE_LEAVES
+from .ops.logprob import IGNORE_INDEX
 
 TP_DEGREES = tuple(d for d in (1, 2, 4, 8, 16, 32, 64) if LINEAR_TREE_LEAVES % d == 0)
 
@@ -89,6 +93,14 @@ def _param_grad(fp32: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return fp32.to(like.dtype)
 
 
+def _column_grad_input(grad: torch.Tensor, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """grad @ weight_full over all ranks' output rows: the 8-leaf tree, a rank's subtree summed
+    across ranks in fp32, one rounding."""
+    if tp.world == 1:
+        return OPS.linear_tree_grad_input(grad, weight, LINEAR_TREE_LEAVES, False)
+    return _sum_over_ranks(OPS.linear_tree_grad_input(grad, weight, tp.leaves, True), tp).to(grad.dtype)
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, tp):
@@ -99,14 +111,10 @@ class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        tp = ctx.tp
         grad = grad.contiguous()
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            if tp.world == 1:
-                dx = OPS.linear_tree_grad_input(grad, weight, LINEAR_TREE_LEAVES, False)
-            else:
-                dx = _sum_over_ranks(OPS.linear_tree_grad_input(grad, weight, tp.leaves, True), tp).to(grad.dtype)
+            dx = _column_grad_input(grad, weight, ctx.tp)
         if ctx.needs_input_grad[1]:
             dw = _param_grad(OPS.linear_grad_weight(grad, x, None), weight)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -189,10 +197,7 @@ class _VocabParallelLogits(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, tp):
         ctx.save_for_backward(hidden, weight)
         ctx.tp, ctx.bias_dtype = tp, None if bias is None else bias.dtype
-        local = OPS.linear(hidden, weight, bias)
-        if tp.world == 1:
-            return local
-        return torch.cat(gather_ranks(local, tp).unbind(0), dim=-1)
+        return _gather_logits(OPS.linear(hidden, weight, bias), tp)
 
     @staticmethod
     def backward(ctx, grad):
@@ -208,6 +213,69 @@ def vocab_parallel_logits(hidden, weight, bias=None, tp: TPGroup = TPGroup(None,
     (an all-gather of exact values); backward as a column-parallel linear (the input gradient's
     sum over the vocabulary in the 8-leaf tree)."""
     return _VocabParallelLogits.apply(hidden, weight, bias, tp)
+
+
+def _gather_logits(local: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return local if tp.world == 1 else torch.cat(gather_ranks(local, tp).unbind(0), dim=-1)
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    """logprob(vocab_parallel_logits(hidden, ...), targets) in token chunks, the logits recomputed
+    in backward (as linear_logprob): only one chunk's [tokens, vocab] logits exist at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, tp):
+        ctx.set_materialize_grads(False)
+        h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        lp, entropy, lse = (torch.empty(t.numel(), dtype=torch.float32, device=hidden.device) for _ in range(3))
+        for rows in _token_chunks(t.numel(), weight.shape[0] * tp.world):
+            logits = _gather_logits(OPS.linear(h[rows], weight, bias), tp)
+            lp[rows], entropy[rows], lse[rows] = OPS.logprob(logits, t[rows], temperature, ignore_index)
+        ctx.save_for_backward(h, weight, t, entropy, lse)
+        ctx.tp, ctx.temperature, ctx.ignore_index, ctx.bias = tp, temperature, ignore_index, bias
+        ctx.hidden_shape = hidden.shape
+        return lp.view(targets.shape), entropy.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_entropy):
+        h, weight, t, entropy, lse = ctx.saved_tensors
+        tp, bias = ctx.tp, ctx.bias
+        none = (None,) * 7
+        if grad_lp is None and grad_entropy is None:
+            return none
+        grad_lp = torch.zeros_like(lse) if grad_lp is None else grad_lp.reshape(-1).float()
+        grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+        rows_of_rank = slice(tp.rank * weight.shape[0], (tp.rank + 1) * weight.shape[0])
+        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        dw = db = None  # fp32 chains over the chunks (each a multiple of LINEAR_GRAD_TILE_TOKENS)
+        for rows in _token_chunks(t.numel(), weight.shape[0] * tp.world):
+            logits = _gather_logits(OPS.linear(h[rows], weight, bias), tp)
+            grad_logits = OPS.logprob_backward(grad_lp[rows], None if grad_entropy is None else grad_entropy[rows],
+                                               logits, t[rows], entropy[rows], lse[rows], ctx.temperature,
+                                               ctx.ignore_index)
+            local = grad_logits[:, rows_of_rank].contiguous()
+            if dh is not None:
+                dh[rows] = _column_grad_input(local, weight, tp)
+            if ctx.needs_input_grad[1]:
+                dw = OPS.linear_grad_weight(local, h[rows], dw)
+            if bias is not None and ctx.needs_input_grad[2]:
+                db = OPS.linear_grad_bias(local, db)
+        return (None if dh is None else dh.view(ctx.hidden_shape), None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None, None, None)
+
+
+def _token_chunks(tokens: int, vocab: int) -> list[slice]:
+    step = linear_logprob_chunk_tokens(vocab)
+    return [slice(s, min(s + step, tokens)) for s in range(0, tokens, step)]
+
+
+def vocab_parallel_logprob(hidden, weight, bias, targets, temperature: float = 1.0, return_entropy: bool = False,
+                           ignore_index: int = IGNORE_INDEX, tp: TPGroup = TPGroup(None, 0, 1)):
+    """``logprob(vocab_parallel_logits(hidden, weight, bias, tp), targets, ...)`` bit for bit, forward
+    and backward, without the whole [tokens, vocab] logits: tokens in linear_logprob's chunks, each
+    chunk's logits gathered, reduced to log-probs and dropped, and recomputed in backward."""
+    lp, entropy = _VocabParallelLogprob.apply(hidden, weight, bias, targets, float(temperature), int(ignore_index), tp)
+    return (lp, entropy) if return_entropy else lp
 
 
 class _HeadNorm(torch.autograd.Function):

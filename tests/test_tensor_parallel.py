@@ -60,6 +60,17 @@ def test_tied_embedding_and_lm_head():
     assert differences(got, ref) == []
 
 
+def test_lm_head_token_chunks(monkeypatch):
+    """token_logprobs' tensor-parallel LM head runs the tokens in chunks (the logits recomputed in
+    backward): 3 chunks of 64 tokens give the one-chunk bits at TP = 1, and TP = 2 with chunks gives
+    them too."""
+    one_chunk = run(build_model(TINY, "cpu", tp_invariant=True), TINY, "cpu", seq=60)
+    monkeypatch.setenv("RL_ENGINE_EXT_LINEAR_LOGPROB_CHUNK_TOKENS", "64")
+    chunked = run(build_model(TINY, "cpu", tp_invariant=True), TINY, "cpu", seq=60)
+    assert differences(chunked, one_chunk) == []
+    assert differences(run_ranks(2, model_rank, TINY, "cpu", False, False, 60)[0], one_chunk) == []
+
+
 def test_tree_mode_differs_from_plain_numerics(tp1):
     """The tree numerics are their own: the plain patched model's gradients differ (so the tests
     above compare something that TP could move)."""

@@ -94,11 +94,11 @@ def layers(rank: int, world: int, device: str = "cpu") -> dict:
 
 
 def model_rank(rank: int, world: int, dims: dict, device: str = "cpu", digests: bool = False,
-               tied: bool = False) -> dict | None:
+               tied: bool = False, seq: int = 12) -> dict | None:
     """A TP = world run of the example's model (the group: every rank); rank 0's results (the
     gradients as digests of their bits with ``digests``: Qwen3-8B-sized ones stay on the GPU)."""
     dev = _device(rank, device)
-    result = run(build_model(dims, dev, tp_group=dist.group.WORLD, tied=tied), dims, dev,
+    result = run(build_model(dims, dev, tp_group=dist.group.WORLD, tied=tied), dims, dev, seq=seq,
                  grad_as=example.digest if digests else None)
     return result if rank == 0 else None
 
