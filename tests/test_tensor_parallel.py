@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from tp_workers import (TINY, build_family, build_model, differences, family_rank, fsdp_trainer_rank, layers, model_rank,
-                        refusals, run)
+from tp_workers import (TINY, batch_invariance_rank, build_family, build_model, differences, family_rank,
+                        fsdp_trainer_rank, layers, model_rank, refusals, run)
 
 pytest.importorskip("transformers")
 
@@ -50,6 +50,16 @@ def test_llama_and_qwen2_equal_tp1(family):
     and Qwen2 (q/k/v biases; no q/k norms) at TP = 2 == TP = 1."""
     ref = run(build_family(family, tp_invariant=True), TINY, "cpu")
     assert differences(run_ranks(2, family_rank, family)[0], ref) == []
+
+
+def test_tp_logprobs_are_batch_invariant():
+    """At TP = 2 a sequence's log-probs and entropies are the same bits alone and inside a padded
+    batch (the collectives and the gathered logits add nothing that depends on the batch)."""
+    got = run_ranks(2, batch_invariance_rank)[0]
+    (lp, ent), mask = got["batch"], got["mask"]
+    for b, (lp1, ent1) in enumerate(got["alone"]):
+        n = int(mask[b].sum())
+        assert torch.equal(lp[b, :n], lp1[0]) and torch.equal(ent[b, :n], ent1[0]), b
 
 
 def test_tied_embedding_and_lm_head():

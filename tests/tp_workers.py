@@ -103,6 +103,19 @@ def model_rank(rank: int, world: int, dims: dict, device: str = "cpu", digests: 
     return result if rank == 0 else None
 
 
+def batch_invariance_rank(rank: int, world: int) -> dict | None:
+    """TP = world: each sequence's log-probs and entropies alone (1 row, 1 token chunk) and inside
+    the padded batch, and again packed: the same bits (rank 0's)."""
+    import rl_engine_ext as rl
+
+    model = build_model(TINY, "cpu", tp_group=dist.group.WORLD)
+    ids, mask, _ = example.make_batch(TINY, "cpu", batch=3, seq=20)
+    with torch.no_grad():
+        batch_lp, batch_ent = rl.token_logprobs(model, ids, mask, return_entropy=True)
+        alone = [rl.token_logprobs(model, ids[b:b + 1, :int(mask[b].sum())], return_entropy=True) for b in range(3)]
+    return {"batch": (batch_lp, batch_ent), "mask": mask, "alone": alone} if rank == 0 else None
+
+
 def fsdp_trainer_rank(rank: int, world: int, dims: dict, device: str = "cpu") -> torch.Tensor:
     """The TP-invariant model (unsharded numerics) under FSDP2 over all ranks, each rank on the
     example's batch: its log-probs (every rank's should be TP = 1's and the TP samplers')."""
