@@ -495,9 +495,11 @@ class PatchHandle:
     model later (a LoRA adapter, a resized embedding, a new layer) are patched when they are
     attached, by the same rules as patch(), or refused with an error naming them."""
 
-    def __init__(self, model: nn.Module, owner: _Owner, prefix: str, previous_attn_implementation: Any):
+    def __init__(self, model: nn.Module, owner: _Owner, prefix: str, previous_attn_implementation: Any,
+                 tp: "_tp.TPGroup | None" = None):
         self.model = model
         self.live = True
+        self._tp = tp  # a tensor-parallel patch's group (None: none)
         self._owner = owner
         self._prefix = prefix
         self._previous = previous_attn_implementation
@@ -528,17 +530,15 @@ class PatchHandle:
         included) and the attention implementation. Idempotent."""
         if not self.live:
             return
-        if getattr(self, "_sharded", False):
+        if self._tp is not None and self._tp.world > 1:
             raise ValueError("rl_engine_ext.unpatch: a tensor-parallel patch kept only this rank's shards of the weights; "
                              "it cannot be reverted (reload the model)")
         owner = self._owner
         for module in self.model.modules():
             if vars(module).get(_OWNER) is owner:
-                module.__dict__.pop(_TP, None)
-        for module in self.model.modules():
-            if vars(module).get(_OWNER) is owner:
                 if _is_patched_forward(vars(module).get("forward")):
                     del module.__dict__["forward"]
+                module.__dict__.pop(_TP, None)
                 del module.__dict__[_OWNER]
         self.model.config._attn_implementation = self._previous
         if vars(self.model).get(_HANDLE) is self:
@@ -550,6 +550,11 @@ class PatchHandle:
     def _adopt(self, child: nn.Module, where: Callable[[], str]) -> None:
         """A module being attached under a module of this patch: patch it and its submodules by
         patch()'s rules (raising, before anything changes, for a module it cannot run)."""
+        if self._tp is not None:
+            raise ValueError(
+                f"rl_engine_ext.patch: {where() or type(child).__name__} ({type(child).__name__}) is attached to a model "
+                "patched with tensor parallelism, whose layers are set when it is patched; attach modules (adapters) "
+                "before patching, or patch without tensor parallelism")
         plan, kept = _plan(child.named_modules(), self._prefix, self._owner, "rl_engine_ext.patch",
                            where, attached=True)
         _check_kept(kept)
@@ -744,7 +749,7 @@ def _tp_plan(model: nn.Module, base: nn.Module, tp: "_tp.TPGroup") -> list[tuple
     roles = [(embed, "embedding")] + ([(head, "logits")] if isinstance(head, nn.Linear) else [])
     for i, layer in enumerate(base.layers):
         for path, role in _TP_LAYER_ROLES:
-            module = layer.get_submodule(path) if _has_path(layer, path) else None
+            module = _submodule(layer, path)
             if module is None:
                 if role != "head_norm":
                     raise ValueError(f"{what}: layer {i} has no {path}")
@@ -763,12 +768,11 @@ def _tp_plan(model: nn.Module, base: nn.Module, tp: "_tp.TPGroup") -> list[tuple
     return roles
 
 
-def _has_path(module: nn.Module, path: str) -> bool:
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
     try:
-        module.get_submodule(path)
-        return True
+        return module.get_submodule(path)
     except AttributeError:
-        return False
+        return None
 
 
 def _path_in(model: nn.Module, module: nn.Module) -> str:
@@ -846,10 +850,9 @@ def patch(model: nn.Module, tp_group: Any = None, tp_invariant: bool = False) ->
     register_attention()
     _install_registration_hook()
     previous = model.config._attn_implementation
-    handle = PatchHandle(model, owner, prefix, previous)
+    handle = PatchHandle(model, owner, prefix, previous, tp)
     _apply(plan, owner)
     _apply_tp(shards, tp)
-    handle._sharded = tp is not None and tp.world > 1
     model.__dict__[_HANDLE] = handle
     model.config._attn_implementation = IMPLEMENTATION
     return handle

@@ -58,6 +58,16 @@ class TPGroup:
     rank: int
     world: int
 
+    def __deepcopy__(self, memo):
+        """A copy of a rank's model (copy.deepcopy) is in the same group, at the same rank."""
+        return self
+
+    def __reduce__(self):
+        if self.group is not None:
+            raise TypeError("rl_engine_ext: a tensor-parallel model holds its process group, which cannot be saved: "
+                            "save rl_engine_ext.tp_full_tensors(model) (the whole weights) or the shards' state_dict()")
+        return (TPGroup, (None, self.rank, self.world))
+
     @property
     def leaves(self) -> int:
         """The leaves of the 8-leaf tree a rank holds."""
@@ -89,10 +99,6 @@ def _sum_over_ranks(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return partial
 
 
-def _param_grad(fp32: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return fp32.to(like.dtype)
-
-
 def _column_grad_input(grad: torch.Tensor, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """grad @ weight_full over all ranks' output rows: the 8-leaf tree, a rank's subtree summed
     across ranks in fp32, one rounding."""
@@ -116,7 +122,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _column_grad_input(grad, weight, ctx.tp)
         if ctx.needs_input_grad[1]:
-            dw = _param_grad(OPS.linear_grad_weight(grad, x, None), weight)
+            dw = OPS.linear_grad_weight(grad, x, None).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = OPS.linear_grad_bias(grad, None).to(ctx.bias_dtype)
         return dx, dw, db, None
@@ -139,7 +145,7 @@ class _RowParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
         dx = OPS.linear_grad_input(grad, weight) if ctx.needs_input_grad[0] else None
-        dw = _param_grad(OPS.linear_grad_weight(grad, x, None), weight) if ctx.needs_input_grad[1] else None
+        dw = OPS.linear_grad_weight(grad, x, None).to(weight.dtype) if ctx.needs_input_grad[1] else None
         db = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = OPS.linear_grad_bias(grad, None).to(ctx.bias_dtype)

@@ -162,3 +162,21 @@ def test_fused_kernel_equals_leaf_by_leaf(monkeypatch, leaves, m):
     assert ("rank_sum", "cuda/simt") not in fused_record.counts
     assert split_record.counts.get(("linear_gemm", "cuda/sm90")) == 4 * leaves
     assert split_record.counts.get(("rank_sum", "cuda/simt")) == 4
+
+
+def test_tree_linear_noncontiguous_arguments(device, dtype):
+    """tree_linear (a Python autograd Function, outside the registry's autograd sweep) with a strided
+    x, a transposed weight view and a strided upstream gradient: the contiguous call's bits, forward
+    and backward."""
+    x, w, b, dy = _inputs(33, 96, 512, dtype, device, seed=19)
+    layouts = {"contiguous": (x, w, dy),
+               "strided": (torch.stack([x, x], 2)[..., 0], w.t().contiguous().t(), torch.stack([dy, dy], 2)[..., 0])}
+    assert not any(t.is_contiguous() for t in layouts["strided"])
+    results = {}
+    for name, (xs, ws, g) in layouts.items():
+        xs, ws, bs = (t.detach().requires_grad_() for t in (xs, ws, b.clone()))
+        y = rl.tree_linear(xs, ws, bs)
+        y.backward(g)
+        results[name] = (y.detach(), xs.grad, ws.grad, bs.grad)
+    for got, want in zip(results["strided"], results["contiguous"]):
+        assert torch.equal(got, want)

@@ -12,7 +12,7 @@ import torch
 
 from dist_harness import run_ranks
 from tp_workers import (TINY, batch_invariance_rank, build_family, build_model, differences, family_rank,
-                        fsdp_trainer_rank, layers, model_rank, refusals, run)
+                        fsdp_trainer_rank, layers, lifecycle, lifecycle_rank, model_rank, refusals, run)
 
 pytest.importorskip("transformers")
 
@@ -118,6 +118,19 @@ def test_example_runs_under_torchrun():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TP = 2 vs TP = 1 (one process): log-probs, packed, generate, 25 gradients: all the same bits" in done.stdout
     assert "generate_with_logprobs == token_logprobs of its tokens: True" in done.stdout
+
+
+def test_copies_saves_and_attached_modules():
+    """A sharded model: deepcopy works (the copy is in the same group: the same log-probs), torch.save
+    raises naming what to save instead, attaching a module raises. A tp_invariant model: deepcopy and
+    save round trips give its log-probs."""
+    sharded = run_ranks(2, lifecycle_rank)[0]
+    assert sharded["deepcopy"] is True
+    assert "holds its process group, which cannot be saved" in sharded["save"]
+    assert "attached to a model patched with tensor parallelism" in sharded["attach"]
+    alone = lifecycle(build_model(TINY, "cpu", tp_invariant=True))
+    assert alone["deepcopy"] is True and alone["save"] is True
+    assert "attached to a model patched with tensor parallelism" in alone["attach"]
 
 
 def test_tp_invariant_model_reverts():

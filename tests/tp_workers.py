@@ -103,6 +103,44 @@ def model_rank(rank: int, world: int, dims: dict, device: str = "cpu", digests: 
     return result if rank == 0 else None
 
 
+def lifecycle(model) -> dict:
+    """What a copy, a save and an attached module do to a tensor-parallel patched model: the copy's
+    log-probs == the model's (True) or the error each raised."""
+    import copy
+    import io
+
+    import rl_engine_ext as rl
+
+    ids, mask, _ = example.make_batch(TINY, "cpu")
+    with torch.no_grad():
+        ref = rl.token_logprobs(model, ids, mask)
+    out = {}
+    for what, make in (("deepcopy", lambda: copy.deepcopy(model)), ("save", lambda: _save_load(model, io, torch))):
+        try:
+            with torch.no_grad():
+                out[what] = torch.equal(rl.token_logprobs(make(), ids, mask), ref)
+        except (TypeError, ValueError) as e:
+            out[what] = str(e)
+    try:
+        model.model.layers[0].self_attn.extra = torch.nn.Linear(4, 4)
+        out["attach"] = ""
+    except ValueError as e:
+        out["attach"] = str(e)
+    return out
+
+
+def _save_load(model, io, torch):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def lifecycle_rank(rank: int, world: int) -> dict | None:
+    out = lifecycle(build_model(TINY, "cpu", tp_group=dist.group.WORLD))
+    return out if rank == 0 else None
+
+
 def batch_invariance_rank(rank: int, world: int) -> dict | None:
     """TP = world: each sequence's log-probs and entropies alone (1 row, 1 token chunk) and inside
     the padded batch, and again packed: the same bits (rank 0's)."""

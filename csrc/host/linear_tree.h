@@ -72,12 +72,24 @@ inline LeafGemm leaf_gemm(const at::Tensor& a, const at::Tensor& b, bool b_mn_ma
 }
 
 // out[rows, n] (allocated, contiguous; fp32 for partial, else the operands' dtype) = the tree over
-// `leaves` leaf GEMMs. leaf(l, first, count) returns leaf l's LeafGemm for rows
-// [first, first + count); this function points its output into the workspace.
-template <typename Backend, typename LeafProblem>
-void tree_gemm(const char* op, at::ScalarType dtype, int64_t rows, int64_t n, int64_t leaves,
+// `leaves` leaves of the reduced dimension (`reduced` long). part(k_first, k_count, first, count)
+// returns the LeafGemm of reduced-dimension range [k_first, k_first + k_count) for rows
+// [first, first + count); this function points its output at out or into the workspace.
+template <typename Backend, typename Part>
+void tree_gemm(const char* op, int64_t rows, int64_t n, int64_t reduced, int64_t leaves,
                const std::optional<at::Tensor>& bias, bool partial, const at::Tensor& out,
-               const at::Tensor& ref, LeafProblem leaf) {
+               const at::Tensor& ref, Part part) {
+  const at::ScalarType dtype = ref.scalar_type();
+  if (leaves == 1 || Backend::fused_tree(op, dtype, ref, reduced, leaves)) {  // one launch
+    LeafGemm g = part(0, reduced, 0, rows);
+    const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+    g.p.tree_leaves = leaves;
+    g.p.c = out.mutable_data_ptr(); g.p.ldc = n; g.p.c_fp32 = partial;
+    g.p.bias = bias_c.defined() ? bias_c.const_data_ptr() : nullptr;
+    Backend::run(op, dtype, g.p, ref);
+    return;
+  }
+  const int64_t width = reduced / leaves;
   const int64_t chunk = std::max<int64_t>(1, kLinearTreeWorkspaceElements / (leaves * n));
   const int64_t first_chunk = std::min(chunk, rows);
   at::Tensor workspace = at::empty({leaves, first_chunk, n}, ref.options().dtype(at::kFloat));
@@ -89,7 +101,7 @@ void tree_gemm(const char* op, at::ScalarType dtype, int64_t rows, int64_t n, in
     a.parts = static_cast<int>(leaves);
     a.numel = count * n;
     for (int64_t l = 0; l < leaves; ++l) {
-      LeafGemm g = leaf(l, first, count);
+      LeafGemm g = part(l * width, width, first, count);
       g.p.c = workspace[l].mutable_data_ptr();
       g.p.ldc = n;
       g.p.c_fp32 = true;
@@ -127,22 +139,12 @@ at::Tensor linear_tree_impl(const at::Tensor& x, const at::Tensor& weight,
     if (bias.has_value()) y.copy_(bias->expand_as(y)); else y.zero_();
     return y;
   }
-  const int64_t kl = k / leaves;
   const at::Tensor x_rows = as_rows(x);
   const bool aligned = Backend::needs_aligned_operands(op, x.scalar_type(), x);
-  if (leaves == 1 || Backend::fused_tree(op, x.scalar_type(), x, k, leaves)) {
-    LeafGemm g = leaf_gemm(x_rows, weight, false, aligned);
-    const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-    g.p.tree_leaves = leaves;
-    g.p.c = y.mutable_data_ptr(); g.p.ldc = n; g.p.c_fp32 = partial;
-    g.p.bias = bias_c.defined() ? bias_c.const_data_ptr() : nullptr;
-    Backend::run(op, x.scalar_type(), g.p, x);
-    return y;
-  }
-  tree_gemm<Backend>(op, x.scalar_type(), m, n, leaves, bias, partial, y.view({m, n}), x,
-                     [&](int64_t l, int64_t first, int64_t count) {
-                       return leaf_gemm(x_rows.narrow(0, first, count).narrow(1, l * kl, kl),
-                                        weight.narrow(1, l * kl, kl), false, aligned);
+  tree_gemm<Backend>(op, m, n, k, leaves, bias, partial, y.view({m, n}), x,
+                     [&](int64_t k_first, int64_t k_count, int64_t first, int64_t count) {
+                       return leaf_gemm(x_rows.narrow(0, first, count).narrow(1, k_first, k_count),
+                                        weight.narrow(1, k_first, k_count), false, aligned);
                      });
   return y;
 }
@@ -161,20 +163,12 @@ at::Tensor linear_tree_grad_input_impl(const at::Tensor& grad_out, const at::Ten
   const int64_t m = n == 0 ? dx.numel() / std::max<int64_t>(k, 1) : grad_out.numel() / n;
   if (m == 0 || k == 0) return dx;
   if (n == 0) return dx.zero_();
-  const int64_t nl = n / leaves;
   const at::Tensor dy_rows = as_rows(grad_out);
   const bool aligned = Backend::needs_aligned_operands(op, grad_out.scalar_type(), grad_out);
-  if (leaves == 1 || Backend::fused_tree(op, grad_out.scalar_type(), grad_out, n, leaves)) {
-    LeafGemm g = leaf_gemm(dy_rows, weight, true, aligned);
-    g.p.tree_leaves = leaves;
-    g.p.c = dx.mutable_data_ptr(); g.p.ldc = k; g.p.c_fp32 = partial;
-    Backend::run(op, grad_out.scalar_type(), g.p, grad_out);
-    return dx;
-  }
-  tree_gemm<Backend>(op, grad_out.scalar_type(), m, k, leaves, std::nullopt, partial, dx.view({m, k}),
-                     grad_out, [&](int64_t l, int64_t first, int64_t count) {
-                       return leaf_gemm(dy_rows.narrow(0, first, count).narrow(1, l * nl, nl),
-                                        weight.narrow(0, l * nl, nl), true, aligned);
+  tree_gemm<Backend>(op, m, k, n, leaves, std::nullopt, partial, dx.view({m, k}), grad_out,
+                     [&](int64_t n_first, int64_t n_count, int64_t first, int64_t count) {
+                       return leaf_gemm(dy_rows.narrow(0, first, count).narrow(1, n_first, n_count),
+                                        weight.narrow(0, n_first, n_count), true, aligned);
                      });
   return dx;
 }
