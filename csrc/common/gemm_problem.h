@@ -32,6 +32,18 @@ constexpr int64_t kLinearTreeLeaves = 8;
 // are multiples of this chain bit for bit on every path (a multiple of every path's MMA depth).
 constexpr int64_t kLinearGradTileTokens = 64;
 
+// Grouped problems (grouped_linear; host/grouped_linear.h): `groups` experts whose
+// ranges are given by group_offsets[groups + 1] in device memory, read as o'_0 = 0,
+// o'_e = min(max(o_e, o'_{e-1}), rows), o'_groups = rows (valid offsets unchanged; never out of
+// bounds otherwise). kRows: the rows of A and C (m) are cut into the ranges; group e multiplies
+// by its own B at b + e * b_group_stride (forward, grad input: each row is the ungrouped GEMM's
+// row). kReduction: the reduction (k, tokens) is cut into the ranges; group e's C (and c_accum)
+// is at c + e * c_group_stride, its chain over its own tokens from its accumulator or zero, as
+// an ungrouped GEMM over those tokens alone (weight gradients; an empty group: its accumulator or 0).
+enum class GroupMode : int { kNone = 0, kRows = 1, kReduction = 2 };
+// The most groups one grouped launch takes (the offsets table lives in shared memory).
+constexpr int64_t kGroupedMaxGroups = 1024;
+
 struct GemmProblem {
   int64_t m = 0, n = 0, k = 0;
   // A (m x k). K-major: A[i, kk] = a[i * lda + kk]. MN-major: A[i, kk] = a[kk * lda + i].
@@ -57,6 +69,13 @@ struct GemmProblem {
   // tree_leaves equal leaves, each from zero, folded over the tree before the bias and the
   // rounding (or stored fp32). 0 or 1: the plain chain.
   int64_t tree_leaves = 0;
+  // Grouped (see GroupMode above; kernels that support it: linear_gemm_sm90_grouped_supported).
+  GroupMode group_mode = GroupMode::kNone;
+  int64_t groups = 0;
+  const void* group_offsets = nullptr;  // int32, or int64 with group_offsets_int64
+  bool group_offsets_int64 = false;
+  int64_t b_group_stride = 0;  // kRows: elements between the groups' B
+  int64_t c_group_stride = 0;  // kReduction: elements between the groups' C / c_accum
 };
 
 }  // namespace rl_align

@@ -72,6 +72,8 @@ using LargeConfig = Sm90Config<128, 256, 4, 2>;
 using TreeConfig = Sm90Config<128, 128, 5, 2>;
 // The most leaves the kernel folds (slots 0, 1 in registers, 2 in shared memory).
 constexpr int kTreeMaxLeaves = 8;
+// A grouped problem's table in shared memory: the clamped offsets and the row tiles before each group.
+constexpr int kGroupTableBytes = 2 * (kGroupedMaxGroups + 1) * 4;
 
 // Rows of A that a decode-size K-major A tile loads when m <= 16: the other rows of the 64-row
 // wgmma tile keep whatever shared memory held and only feed output rows >= m, which are never
@@ -83,6 +85,14 @@ struct Sm90Epilogue {
   int64_t ldc;
   const void* bias;
   const float* c_accum;
+};
+
+// A grouped problem's offsets (GemmProblem's group fields) and kReduction's C stride per group.
+struct Sm90Groups {
+  const void* offsets;
+  int64_t c_stride;
+  int count;
+  bool int64;
 };
 
 #ifdef RL_ALIGN_SM90A_DEVICE
@@ -163,21 +173,81 @@ __device__ __forceinline__ void store_two_blocks(const Sm90Epilogue& ep, int64_t
   }
 }
 
+// The group table of a grouped problem (common/gemm_problem.h, "Grouped"), built by one warp in
+// shared memory: start[0 .. groups] the clamped offsets (o'_e = min(running max of o_1 .. o_e, rows),
+// o'_0 = 0, o'_groups = rows), and for kRows tiles[0 .. groups] the row tiles of the groups before e
+// (tiles[groups]: all of them). Each lane takes a run of entries; the running max and the tile
+// counts are carried across lanes by warp scans.
+__device__ __forceinline__ void load_group_table(const Sm90Groups& g, int rows, int bm, int* start, int* tiles) {
+  const int lane = threadIdx.x % 32;
+  const int entries = g.count + 1;
+  const int per_lane = (entries + 31) / 32;
+  const int first = lane * per_lane, last = min(first + per_lane, entries);
+  int run = 0;
+  for (int i = first; i < last; ++i) {
+    int64_t v = i == g.count ? rows
+                : i == 0     ? 0
+                : g.int64    ? static_cast<const int64_t*>(g.offsets)[i]
+                             : static_cast<const int32_t*>(g.offsets)[i];
+    v = v < 0 ? 0 : (v > rows ? rows : v);
+    run = max(run, static_cast<int>(v));
+    start[i] = run;
+  }
+  int carried = run;  // inclusive max scan over lanes, then shifted: the max of the lanes before
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int other = __shfl_up_sync(0xffffffffu, carried, d);
+    if (lane >= d) carried = max(carried, other);
+  }
+  int before = __shfl_up_sync(0xffffffffu, carried, 1);
+  if (lane == 0) before = 0;
+  for (int i = first; i < last; ++i) start[i] = max(start[i], before);
+  __syncwarp();
+  if (tiles == nullptr) return;
+  int sum = 0;
+  for (int i = first; i < last; ++i) {
+    tiles[i] = sum;
+    if (i < g.count) sum += (start[i + 1] - start[i] + bm - 1) / bm;
+  }
+  int total = sum;  // inclusive sum scan over lanes
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int other = __shfl_up_sync(0xffffffffu, total, d);
+    if (lane >= d) total += other;
+  }
+  for (int i = first; i < last; ++i) tiles[i] += total - sum;
+  __syncwarp();
+}
+
+// The group of global row tile `mt`: the last e with tiles[e] <= mt (groups without tiles skipped).
+__device__ __forceinline__ int group_of_tile(const int* tiles, int groups, int mt) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tiles[mid] <= mt) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 #endif  // RL_ALIGN_SM90A_DEVICE
 
-template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE>
+template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE, GroupMode GROUP>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
     linear_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
                             const __grid_constant__ CUtensorMap tma_b, Sm90Epilogue ep, int m,
-                            int n, int k, uint32_t stage_tx_bytes, int leaves) {
+                            int n, int k, uint32_t stage_tx_bytes, int leaves, Sm90Groups groups) {
 #ifdef RL_ALIGN_SM90A_DEVICE
   constexpr int BM = Cfg::BM, BN = Cfg::BN, STAGES = Cfg::STAGES, CLUSTER = Cfg::CLUSTER;
+  static_assert(GROUP == GroupMode::kNone || (CLUSTER == 1 && !TREE), "grouped tiles: no multicast, no tree");
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   uint8_t* ring = smem_raw + ((raw + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes * kSwizzleAtomBytes - raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + STAGES * Cfg::STAGE_BYTES);
   uint64_t* empty = full + STAGES;
+  // After the barriers: tree mode's slot 2, or a grouped problem's table.
   float* tree_slot = reinterpret_cast<float*>(empty + STAGES);
+  int* group_start = reinterpret_cast<int*>(empty + STAGES);
+  int* group_tiles = group_start + kGroupedMaxGroups + 1;
   auto a_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
   auto b_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES + Cfg::A_STAGE_BYTES; };
 
@@ -189,18 +259,58 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  if constexpr (GROUP != GroupMode::kNone) {
+    if (threadIdx.x < 32)
+      load_group_table(groups, GROUP == GroupMode::kRows ? m : k, BM, group_start,
+                       GROUP == GroupMode::kRows ? group_tiles : nullptr);
+  }
   if constexpr (CLUSTER > 1) cluster_sync(); else __syncthreads();
 
   // The cluster walks units of CLUSTER row tiles x one column tile; CTA `rank` takes row tile
-  // CLUSTER * unit_row + rank (past the last row tile: all zero fill, nothing stored).
+  // CLUSTER * unit_row + rank (past the last row tile: all zero fill, nothing stored). Grouped:
+  // kRows walks every group's row tiles (the groups' tiles one after another) x column tiles;
+  // kReduction walks each group's whole C (its units one after another).
   const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
-  const int tiles_m = (m + BM - 1) / BM;
+  const int tiles_m = GROUP == GroupMode::kRows ? group_tiles[groups.count] : (m + BM - 1) / BM;
   const int units_m = (tiles_m + CLUSTER - 1) / CLUSTER;
   const int tiles_n = (n + BN - 1) / BN;
-  const int num_units = units_m * tiles_n;
+  const int group_units = units_m * tiles_n;
+  const int num_units = GROUP == GroupMode::kReduction ? groups.count * group_units : group_units;
   const int first_unit = blockIdx.x / CLUSTER, unit_stride = gridDim.x / CLUSTER;
-  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+  const int k_blocks_all = (k + kBlockK - 1) / kBlockK;
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
+
+  // A unit's tile: its first row (of A and C), its column tile, its group; kRows: the end of its
+  // group's rows; kReduction: its group's tokens [k_begin, k_begin + k_len). The fields a mode
+  // does not use are never read (row_end(), k_blocks_of(), k_first() below give the plain values).
+  struct Tile {
+    int row, row_end, nt, group, k_begin, k_len;
+  };
+  auto row_end_of = [&](const Tile& t) { return GROUP == GroupMode::kRows ? t.row_end : m; };
+  auto k_blocks_of = [&](const Tile& t) {
+    return GROUP == GroupMode::kReduction ? (t.k_len + kBlockK - 1) / kBlockK : k_blocks_all;
+  };
+  auto k_first = [&](const Tile& t) { return GROUP == GroupMode::kReduction ? t.k_begin : 0; };
+  auto locate = [&](int unit) {
+    Tile t{0, 0, 0, 0, 0, 0};
+    int mu;
+    if constexpr (GROUP == GroupMode::kRows) {
+      tile_coords(unit, units_m, tiles_n, mu, t.nt);
+      t.group = group_of_tile(group_tiles, groups.count, mu);
+      t.row = group_start[t.group] + (mu - group_tiles[t.group]) * BM;
+      t.row_end = group_start[t.group + 1];
+    } else {
+      if constexpr (GROUP == GroupMode::kReduction) {
+        t.group = unit / group_units;
+        unit -= t.group * group_units;
+        t.k_begin = group_start[t.group];
+        t.k_len = group_start[t.group + 1] - t.k_begin;
+      }
+      tile_coords(unit, units_m, tiles_n, mu, t.nt);
+      t.row = (mu * CLUSTER + rank) * BM;
+    }
+    return t;
+  };
 
   if (warpgroup == 0) {
     if constexpr (Cfg::CONSUMERS > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -208,35 +318,37 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       int stage = 0;
       uint32_t phase = 0;
       for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-        int mu, nt;
-        tile_coords(unit, units_m, tiles_n, mu, nt);
-        const int mt = mu * CLUSTER + rank;
+        const Tile t = locate(unit);
+        const int k_blocks = k_blocks_of(t);
         for (int kb = 0; kb < k_blocks; ++kb) {
           mbar_wait(&empty[stage], phase ^ 1);
           mbar_arrive_expect_tx(&full[stage], stage_tx_bytes);
-          const int k0 = kb * kBlockK;
+          const int k0 = k_first(t) + kb * kBlockK;
           if constexpr (A_MN) {
             for (int c = 0; c < BM / 64; ++c)
               tma_load_2d(a_stage(stage) + c * kBlockK * kSwizzleRowBytes, &tma_a, &full[stage],
-                          mt * BM + c * 64, k0);
+                          t.row + c * 64, k0);
           } else {
-            tma_load_2d(a_stage(stage), &tma_a, &full[stage], k0, mt * BM);
+            tma_load_2d(a_stage(stage), &tma_a, &full[stage], k0, t.row);
           }
-          // This CTA's slice of the B tile: columns [rank, rank + 1) * BN / CLUSTER.
+          // This CTA's slice of the B tile: columns [rank, rank + 1) * BN / CLUSTER. kRows: the
+          // group's own B, the third coordinate of a 3-D map (its rows zero-filled past its end).
           constexpr int kSlice = BN / CLUSTER;
           auto load_b = [&](int offset, int inner, int outer) {
             if constexpr (CLUSTER > 1) {
               tma_load_2d_multicast(b_stage(stage) + offset, &tma_b, &full[stage], inner, outer,
                                     static_cast<uint16_t>((1u << CLUSTER) - 1));
+            } else if constexpr (GROUP == GroupMode::kRows) {
+              tma_load_3d(b_stage(stage) + offset, &tma_b, &full[stage], inner, outer, t.group);
             } else {
               tma_load_2d(b_stage(stage) + offset, &tma_b, &full[stage], inner, outer);
             }
           };
           if constexpr (B_MN) {
             for (int c = rank * kSlice / 64; c < (rank + 1) * kSlice / 64; ++c)
-              load_b(c * kBlockK * kSwizzleRowBytes, nt * BN + c * 64, k0);
+              load_b(c * kBlockK * kSwizzleRowBytes, t.nt * BN + c * 64, k0);
           } else {
-            load_b(rank * kSlice * kSwizzleRowBytes, k0, nt * BN + rank * kSlice);
+            load_b(rank * kSlice * kSwizzleRowBytes, k0, t.nt * BN + rank * kSlice);
           }
           if (++stage == STAGES) {
             stage = 0;
@@ -265,13 +377,20 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     int stage = 0;
     uint32_t phase = 0;
     for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-      int mu, nt;
-      tile_coords(unit, units_m, tiles_n, mu, nt);
-      const int mt = mu * CLUSTER + rank;
+      const Tile t = locate(unit);
+      const int k_blocks = k_blocks_of(t);
+      // A kReduction group's C and accumulator (the others read the kernel parameter itself).
+      Sm90Epilogue group_ep = ep;
+      if constexpr (GROUP == GroupMode::kReduction) {
+        group_ep.c = static_cast<uint8_t*>(ep.c) + t.group * groups.c_stride * (C_FP32 ? 4 : sizeof(T));
+        if (ep.c_accum != nullptr) group_ep.c_accum = ep.c_accum + t.group * groups.c_stride;
+      }
+      const Sm90Epilogue& tile_ep = GROUP == GroupMode::kReduction ? group_ep : ep;
+      const int row_end = row_end_of(t);
       // Accumulator fragment of m64nBN: thread row = 16 * warp + lane / 4 (+ 8), column pair
       // 8 * j + 2 * (lane % 4); registers 4j, 4j+1 on the first row, 4j+2, 4j+3 eight rows down.
-      const int64_t row0 = static_cast<int64_t>(mt) * BM + consumer * 64 + warp * 16 + lane / 4;
-      const int64_t col0 = static_cast<int64_t>(nt) * BN + 2 * (lane % 4);
+      const int64_t row0 = static_cast<int64_t>(t.row) + consumer * 64 + warp * 16 + lane / 4;
+      const int64_t col0 = static_cast<int64_t>(t.nt) * BN + 2 * (lane % 4);
       // A saved accumulator (chained weight gradients) is loaded into the registers; otherwise the
       // first chunk runs with scale-d = 0. Registers written by ordinary code serialize the wgmma
       // pipeline (ptxas C7515), so only the chained variant pays for it.
@@ -281,9 +400,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int64_t row = row0 + 8 * h, col = col0 + 8 * j;
-            const float* src = ep.c_accum + row * ep.ldc + col;
-            acc[4 * j + 2 * h] = row < m && col < n ? src[0] : 0.f;
-            acc[4 * j + 2 * h + 1] = row < m && col + 1 < n ? src[1] : 0.f;
+            const float* src = tile_ep.c_accum + row * ep.ldc + col;
+            acc[4 * j + 2 * h] = row < row_end && col < n ? src[0] : 0.f;
+            acc[4 * j + 2 * h + 1] = row < row_end && col + 1 < n ? src[1] : 0.f;
           }
         }
         fence_accumulators(acc);
@@ -330,16 +449,50 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             const int64_t row = row0 + 8 * h;
             const int a = 4 * j + 2 * h, b = a + 4;  // block j's pair, block j + 1's pair
             if constexpr (C_FP32) {
-              store_pair_fp32(ep, m, n, row, col0 + 8 * j, d[a], d[a + 1]);
-              store_pair_fp32(ep, m, n, row, col0 + 8 * j + 8, d[b], d[b + 1]);
+              store_pair_fp32(tile_ep, row_end, n, row, col0 + 8 * j, d[a], d[a + 1]);
+              store_pair_fp32(tile_ep, row_end, n, row, col0 + 8 * j + 8, d[b], d[b + 1]);
             } else {
-              store_two_blocks<T>(ep, m, n, row, col0 - 2 * (lane % 4) + 8 * j, lane, d[a],
+              store_two_blocks<T>(tile_ep, row_end, n, row, col0 - 2 * (lane % 4) + 8 * j, lane, d[a],
                                   d[a + 1], d[b], d[b + 1]);
             }
           }
         }
       };
-      if constexpr (!TREE) {
+      if constexpr (GROUP == GroupMode::kReduction) {
+        // A group's chain over its own tokens: whole k-blocks, then a partial block whose rows
+        // past the group's end (the next group's tokens, or zero fill) are zeroed in shared memory
+        // first, so the group's sums take exact zeros there as an ungrouped GEMM of its tokens.
+        if (k_blocks == 0) {  // no tokens: the accumulator as it is, or zero
+          if constexpr (HAS_ACCUM) {
+            store_tile(acc);
+          } else {
+            float zero[BN / 2];  // not acc: ordinary writes to wgmma registers serialize it (C7515)
+#pragma unroll
+            for (int e = 0; e < BN / 2; ++e) zero[e] = 0.f;
+            store_tile(zero);
+          }
+          continue;
+        }
+        const int whole = t.k_len / kBlockK, tail = t.k_len % kBlockK;
+        issue(acc, 0, whole, !HAS_ACCUM);
+        if (tail != 0) {
+          drain();
+          mbar_wait(&full[stage], phase);
+          auto zero_rows = [&](uint8_t* chunk) {
+            uint4* p = reinterpret_cast<uint4*>(chunk + tail * kSwizzleRowBytes);
+            for (int i = tid; i < (kBlockK - tail) * kSwizzleRowBytes / 16; i += kWarpgroupThreads)
+              p[i] = make_uint4(0u, 0u, 0u, 0u);
+          };
+          zero_rows(a_stage(stage) + consumer * kMnChunkBytes);
+          for (int c = consumer; c < BN / 64; c += Cfg::CONSUMERS) zero_rows(b_stage(stage) + c * kMnChunkBytes);
+          fence_proxy_async();  // the zeros before the wgmma's (async proxy) reads
+          named_bar_sync(1, Cfg::CONSUMERS * kWarpgroupThreads);
+          issue(acc, whole, whole + 1, !HAS_ACCUM && whole == 0);
+        }
+        drain();
+        fence_accumulators(acc);
+        store_tile(acc);
+      } else if constexpr (!TREE) {
         issue(acc, 0, k_blocks, !HAS_ACCUM);
         drain();
         fence_accumulators(acc);
@@ -392,26 +545,30 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 // ------------------------------------------------------------------------------------------------
 
 // A row-major [outer, inner] operand read in boxes of [box_outer, 64] (128-byte swizzle). Out of
-// range rows and columns read as zeros.
+// range rows and columns read as zeros. groups > 1: `groups` such matrices group_stride elements
+// apart, a 3-D map read one group at a time (each group's rows zero-filled past its own end).
 bool encode_operand(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int64_t outer,
-                    int64_t ld, int box_outer) {
+                    int64_t ld, int box_outer, int64_t groups = 1, int64_t group_stride = 0) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_outer)};
-  const cuuint32_t element_strides[2] = {1, 1};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer),
+                              static_cast<cuuint64_t>(groups)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld) * 2, static_cast<cuuint64_t>(group_stride) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_outer), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult r = encode(
       map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      2, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      groups > 1 ? 3 : 2, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
-template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE>
+template <typename T, typename Cfg, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE,
+          GroupMode GROUP = GroupMode::kNone>
 gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
-  auto kernel = linear_gemm_sm90_kernel<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>;
-  constexpr int kSmemBytes = Cfg::SMEM_BYTES + (TREE ? Cfg::TREE_SLOT_BYTES : 0);
+  auto kernel = linear_gemm_sm90_kernel<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE, GROUP>;
+  constexpr int kSmemBytes = Cfg::SMEM_BYTES + (TREE ? Cfg::TREE_SLOT_BYTES : 0) +
+                             (GROUP != GroupMode::kNone ? kGroupTableBytes : 0);
   static std::once_flag once;
   static int blocks_per_sm = 0;
   static gpuError_t setup_error = cudaSuccess;
@@ -428,15 +585,23 @@ gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   const int a_rows = !A_MN && Cfg::BM == 64 && p.m <= kDecodeSmallRows ? kDecodeSmallRows : Cfg::BM;
   const bool ok_a = A_MN ? encode_operand(&map_a, dtype, p.a, p.m, p.k, p.lda, kBlockK)
                          : encode_operand(&map_a, dtype, p.a, p.k, p.m, p.lda, a_rows);
-  const bool ok_b = B_MN ? encode_operand(&map_b, dtype, p.b, p.n, p.k, p.ldb, kBlockK)
-                         : encode_operand(&map_b, dtype, p.b, p.k, p.n, p.ldb, Cfg::BN / Cfg::CLUSTER);
+  // kRows: B is the groups' matrices, a 3-D map.
+  const int64_t b_groups = GROUP == GroupMode::kRows ? p.groups : 1;
+  const bool ok_b = B_MN ? encode_operand(&map_b, dtype, p.b, p.n, p.k, p.ldb, kBlockK, b_groups, p.b_group_stride)
+                         : encode_operand(&map_b, dtype, p.b, p.k, p.n, p.ldb, Cfg::BN / Cfg::CLUSTER, b_groups,
+                                          p.b_group_stride);
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
   const uint32_t tx_bytes = (A_MN ? Cfg::A_STAGE_BYTES : a_rows * kSwizzleRowBytes) + Cfg::B_STAGE_BYTES;
-  const int64_t units = ceil_div(ceil_div(p.m, Cfg::BM), Cfg::CLUSTER) * ceil_div(p.n, Cfg::BN);
+  // Units of work: kRows has at most one partial row tile per group more than the ungrouped rows;
+  // kReduction has each group's whole C.
+  int64_t units = ceil_div(ceil_div(p.m, Cfg::BM), Cfg::CLUSTER) * ceil_div(p.n, Cfg::BN);
+  if (GROUP == GroupMode::kRows) units = (ceil_div(p.m, Cfg::BM) + p.groups) * ceil_div(p.n, Cfg::BN);
+  if (GROUP == GroupMode::kReduction) units *= p.groups;
   const int64_t slots = static_cast<int64_t>(multiprocessor_count(current_device())) *
                         (blocks_per_sm > 0 ? blocks_per_sm : 1) / Cfg::CLUSTER;
   const int grid = static_cast<int>((units < slots ? units : slots) * Cfg::CLUSTER);
   const Sm90Epilogue ep{p.c, p.ldc, p.bias, p.c_accum};
+  const Sm90Groups groups{p.group_offsets, p.c_group_stride, static_cast<int>(p.groups), p.group_offsets_int64};
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(Cfg::THREADS);
@@ -451,7 +616,7 @@ gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   config.numAttrs = 1;
   const gpuError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_b, ep, static_cast<int>(p.m),
                                             static_cast<int>(p.n), static_cast<int>(p.k), tx_bytes,
-                                            static_cast<int>(TREE ? p.tree_leaves : 1));
+                                            static_cast<int>(TREE ? p.tree_leaves : 1), groups);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -472,6 +637,21 @@ gpuError_t dispatch_config(DType dtype, const GemmProblem& p, gpuStream_t stream
   }
 }
 
+// Grouped rows (forward, grad input): groups of at most 64 rows on average take 64-row tiles (less
+// of each tile past its group's end), wide enough that the rows are read few times per weight;
+// larger ones linear's medium tile (no multicast: a pair of row tiles may straddle two groups).
+// Weight gradients (kReduction): the medium tile. Speed only: every configuration gives the same bits.
+using GroupedSmallConfig = Sm90Config<64, 128, 8>;
+
+template <typename T, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, GroupMode GROUP>
+gpuError_t dispatch_grouped(DType dtype, const GemmProblem& p, gpuStream_t stream) {
+  if constexpr (GROUP == GroupMode::kRows) {
+    if (p.m <= 64 * p.groups)
+      return launch_sm90<T, GroupedSmallConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, false, GROUP>(dtype, p, stream);
+  }
+  return launch_sm90<T, MediumConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, false, GROUP>(dtype, p, stream);
+}
+
 // The layouts and outputs the linear ops use: forward, also as fp32 leaf sums (linear_tree); grad input, also as fp32 partial sums
 // continued from an accumulator (linear_logprob's vocabulary slices); grad weight as fp32
 // (chained) or in the input dtype (linear_logprob's weight gradient for autograd).
@@ -479,6 +659,19 @@ template <typename T>
 gpuError_t dispatch_layout(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   const bool accum = p.c_accum != nullptr;
   if (accum && !p.c_fp32) return cudaErrorNotSupported;
+  if (p.group_mode != GroupMode::kNone) {  // grouped_linear
+    if (p.tree_leaves > 1 || p.bias != nullptr || p.groups < 1 || p.groups > kGroupedMaxGroups)
+      return cudaErrorNotSupported;
+    if (p.group_mode == GroupMode::kRows) {  // forward, grad input
+      if (p.a_mn_major || p.c_fp32) return cudaErrorNotSupported;
+      if (p.b_mn_major) return dispatch_grouped<T, false, true, false, false, GroupMode::kRows>(dtype, p, stream);
+      return dispatch_grouped<T, false, false, false, false, GroupMode::kRows>(dtype, p, stream);
+    }
+    if (!p.a_mn_major || !p.b_mn_major) return cudaErrorNotSupported;  // grad weight
+    if (!p.c_fp32) return dispatch_grouped<T, true, true, false, false, GroupMode::kReduction>(dtype, p, stream);
+    if (accum) return dispatch_grouped<T, true, true, true, true, GroupMode::kReduction>(dtype, p, stream);
+    return dispatch_grouped<T, true, true, true, false, GroupMode::kReduction>(dtype, p, stream);
+  }
   if (p.tree_leaves > 1) {  // linear_tree: forward or grad input, fp32 partial or rounded
     if (accum || p.a_mn_major || !linear_gemm_sm90_tree_supported(p.k, p.tree_leaves))
       return cudaErrorNotSupported;
@@ -520,7 +713,7 @@ bool linear_gemm_sm90_tree_supported(int64_t k, int64_t leaves) {
 bool gemm_sm90_compiled_for(int device) {
   cudaFuncAttributes attr{};
   if (cudaFuncGetAttributes(&attr, linear_gemm_sm90_kernel<bfloat16_t, LargeConfig, false, false,
-                                                           false, false, false>) != cudaSuccess) {
+                                                           false, false, false, GroupMode::kNone>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
