@@ -1,11 +1,13 @@
 """Sampler == trainer, end to end, on a Hugging Face model patched with one call.
 
 A small Qwen3 and a small Llama (random weights from a config, nothing downloaded; on a GPU
-``--dims qwen3-8b`` builds Qwen3-8B's layer dimensions with 2 layers) sample a left-padded batch
-of prompts of different lengths with ``generate()`` and a KV cache, recording each sampled
-token's log-prob. The trainer then recomputes the same tokens' log-probs in other batch
-compositions: the same padded batch, another padding (right padding, reversed order, an extra
-row), packed into one row, each sequence alone, and under ``torch.compile``. Every per-token
+``--dims qwen3-8b`` builds Qwen3-8B's layer dimensions with 2 layers; ``--models qwen3_moe`` or
+``qwen2_moe``: a mixture-of-experts model of those dimensions with 8 experts, top-2, in 3 layers
+of which the middle one is dense, or with ``--dims qwen3-30b-a3b`` 2 layers of Qwen3-30B-A3B's)
+sample a left-padded batch of prompts of different lengths with ``generate()`` and a KV cache,
+recording each sampled token's log-prob. The trainer then recomputes the same tokens' log-probs in
+other batch compositions: the same padded batch, another padding (right padding, reversed order,
+an extra row), packed into one row, each sequence alone, and under ``torch.compile``. Every per-token
 log-prob must equal the sampler's bit for bit, so the PPO/GRPO ratio exp(logp_train -
 logp_sample) is exactly 1.0. The unpatched model is the negative control. The patched part runs
 under strict mode (any fallback off the invariant kernels would raise) and prints the rl_align
@@ -13,6 +15,8 @@ kernels (kernel, path, launches) of one trainer step, forward and backward.
 
     python examples/sampler_trainer.py                      # CPU, both models
     python examples/sampler_trainer.py --device cuda --dims qwen3-8b --models qwen3
+    python examples/sampler_trainer.py --models qwen3_moe   # mixture of experts
+    python examples/sampler_trainer.py --device cuda --dims qwen3-30b-a3b --models qwen3_moe
 """
 
 from __future__ import annotations
@@ -34,18 +38,37 @@ DIMS = {  # hidden, intermediate, layers, heads q/kv, head_dim, vocab
                  num_key_value_heads=2, head_dim=128, vocab_size=512),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=2, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=2, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936),
 }
+MODEL_TYPES = ["qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe"]
+# Mixture of experts (qwen3_moe, qwen2_moe), per dims (overriding DIMS): experts, experts per token,
+# expert intermediate size (Qwen2-MoE's shared expert: twice it); layers in mlp_only_layers are dense.
+MOE_DIMS = {"qwen3-30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                  mlp_only_layers=[])}
+MOE_DEFAULT = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=3,
+                   mlp_only_layers=[1])
+
+
+def _moe_config(model_type: str, dims: str) -> dict:
+    moe = dict(MOE_DIMS.get(dims, MOE_DEFAULT), norm_topk_prob=model_type == "qwen3_moe")
+    if model_type == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = 2 * moe["moe_intermediate_size"]
+    return moe
 
 
 def build_model(model_type: str, dims: str, device: str, dtype: torch.dtype, seed: int = 0):
     import transformers
 
     config_class = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
-                    "qwen2": transformers.Qwen2Config}[model_type]
+                    "qwen2": transformers.Qwen2Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+                    "qwen2_moe": transformers.Qwen2MoeConfig}[model_type]
     model_class = {"qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM,
-                   "qwen2": transformers.Qwen2ForCausalLM}[model_type]
-    config = config_class(**DIMS[dims], max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0,
-                          eos_token_id=1, bos_token_id=2)
+                   "qwen2": transformers.Qwen2ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                   "qwen2_moe": transformers.Qwen2MoeForCausalLM}[model_type]
+    moe = _moe_config(model_type, dims) if model_type.endswith("_moe") else {}
+    config = config_class(**{**DIMS[dims], **moe}, max_position_embeddings=4096, tie_word_embeddings=False,
+                          pad_token_id=0, eos_token_id=1, bos_token_id=2)
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_class(config)
@@ -152,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dims", choices=sorted(DIMS), default="tiny")
-    parser.add_argument("--models", nargs="+", choices=["qwen3", "llama", "qwen2"], default=["qwen3", "llama"])
+    parser.add_argument("--models", nargs="+", choices=MODEL_TYPES, default=["qwen3", "llama"])
     parser.add_argument("--new-tokens", type=int, default=8)
     args = parser.parse_args(argv)
     failed = False

@@ -13,6 +13,7 @@ from .main_grad import fp32_grad_accumulation  # also binds the module rl_engine
 from .hf import (Generation, PatchHandle, apply_rl_align_to_llama, apply_rl_align_to_qwen2, apply_rl_align_to_qwen3,
                  generate_with_logprobs, grad_accumulation_tile_tokens, patch, patch_handle, token_logprobs,
                  tp_full_tensors, unpatch)
+from .moe import moe_experts
 from .aten_mode import batch_invariant_mode, is_batch_invariant_mode_enabled, set_batch_invariant_mode
 from .strict_mode import StrictModeError, is_strict, set_strict, strict
 from .provenance import KernelRecord, record_kernels
@@ -27,7 +28,7 @@ __all__ = sorted(
     ["NATIVE_AVAILABLE", "NATIVE_UNAVAILABLE_REASON", "fp32_grad_accumulation", "has_native_kernel", "main_grad",
      "PatchHandle", "apply_rl_align_to_llama", "apply_rl_align_to_qwen2", "apply_rl_align_to_qwen3",
      "Generation", "generate_with_logprobs", "grad_accumulation_tile_tokens", "patch", "patch_handle", "token_logprobs",
-     "tp_full_tensors", "unpatch",
+     "tp_full_tensors", "unpatch", "moe_experts",
      "batch_invariant_mode", "is_batch_invariant_mode_enabled", "set_batch_invariant_mode",
      "StrictModeError", "is_strict", "set_strict", "strict", "KernelRecord", "record_kernels"]
     + [n for s in SPECS for n in s.exports]

@@ -1,5 +1,5 @@
-"""One call that makes a Hugging Face Llama / Qwen2 / Qwen3 causal LM run on rl_align ops, for
-training and for ``generate()``.
+"""One call that makes a Hugging Face Llama / Qwen2 / Qwen3 causal LM (and the mixture-of-experts
+Qwen3-MoE / Qwen2-MoE) run on rl_align ops, for training and for ``generate()``.
 
 ``patch(model)`` swaps the forwards of the model's modules (per instance; ``.revert()`` restores
 them) and registers an "rl_align" attention and attention-mask implementation with transformers:
@@ -8,6 +8,16 @@ them) and registers an "rl_align" attention and attention-mask implementation wi
 * the RMSNorms (hidden and Qwen3's QK-norm) -> ``rms_norm`` in the model's casting mode ("llama":
   ``weight * round(xhat)``), the post-attention one fused with the residual add (``add_rms_norm``);
 * the MLP -> ``silu_mul`` between the projections;
+* mixture of experts (Qwen3-MoE, Qwen2-MoE): the router (``*TopKRouter``) -> ``linear`` for its
+  logits and ``moe_router`` (top-k over the logits, ties to the lower expert index, fp32 softmax
+  weights, normalised when ``norm_topk_prob``); the experts (``*MoeExperts``, whatever
+  ``config._experts_implementation`` says: the forward is replaced) -> ``moe_experts`` (sort by
+  expert, ``grouped_linear``, ``silu_and_mul``, ``grouped_linear``, ``moe_combine`` in rank order,
+  rl_engine_ext/moe.py); the router's weights stay fp32 into the combine (transformers rounds them
+  to the model dtype); Qwen2-MoE's shared expert is the patched MLP, its sigmoid gate an fp32
+  sigmoid from ``moe_router`` over ``[gate, 0]`` (torch's CPU sigmoid differs between its vector
+  and scalar paths). The router's logits stay the router's first output, for transformers'
+  auxiliary load-balancing loss (computed by torch from them);
 * the rotary embedding -> ``rope`` with the rotary module's own ``inv_freq`` and
   ``attention_scaling`` (so Llama-3 / YaRN / linear scaling carry over), applied in the
   projections' ``[B, S, H, D]`` layout (no cos/sin tables);
@@ -63,9 +73,11 @@ from torch import nn
 from . import main_grad as _mg
 from . import strict_mode
 from . import tensor_parallel as _tp
+from .moe import moe_experts
 from .ops.attention import attention_kvcache, attention_varlen
 from .ops.linear import LINEAR_GRAD_TILE_TOKENS
 from .ops.logprob import IGNORE_INDEX, logprob, temperature_error
+from .ops.moe_router import moe_router
 from .ops.rms_norm import rms_norm_tile_rows
 from .ops.rope import rope
 from .ops.silu_and_mul import silu_and_mul
@@ -73,9 +85,14 @@ from .ops.silu_and_mul import silu_and_mul
 IMPLEMENTATION = "rl_align"  # the name under transformers' AttentionInterface / AttentionMaskInterface
 
 # model_type -> class-name prefix of its modules: <P>RMSNorm, <P>Attention, <P>MLP, <P>DecoderLayer,
-# <P>RotaryEmbedding, <P>Model. These three share one decoder structure (pre-norm, GQA attention with
-# optional QK-norm and qkv bias, SwiGLU MLP); a model added here must too.
-MODEL_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# <P>RotaryEmbedding, <P>Model. These share one decoder structure (pre-norm, GQA attention with
+# optional QK-norm and qkv bias, SwiGLU MLP or a mixture-of-experts block); a model added here must too.
+MODEL_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen2_moe": "Qwen2Moe",
+                  "qwen3_moe": "Qwen3Moe"}
+# The mixture-of-experts families: their decoder layers hold <P>SparseMoeBlock (a <P>TopKRouter
+# "gate" and <P>Experts "experts"; Qwen2-MoE also a shared expert <P>MLP and its gate) or, in dense
+# layers (decoder_sparse_step, mlp_only_layers), a <P>MLP.
+MOE_FAMILIES = ("Qwen2Moe", "Qwen3Moe")
 # RoPE types whose inv_freq is fixed at construction (dynamic types rescale it per sequence length,
 # which makes a token's result depend on the batch).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -195,12 +212,29 @@ def _packed_sequence_ids(mask_function: Callable) -> torch.Tensor | None:
         f"{getattr(mask_function, '__qualname__', mask_function)!r}")
 
 
+class _WindowedMask:
+    """What rl_align_mask returns for a sliding-window or chunked mask (transformers passes those
+    with ``local_size``): Qwen2-MoE builds one every forward whether or not a layer uses it (patch()
+    refuses models whose layers do), and rl_align_attention refuses it if a layer gets it."""
+
+    ndim = 0
+    shape = (0,)
+
+    def __repr__(self) -> str:
+        return "<rl_align: sliding-window / chunked mask (not supported)>"
+
+
+WINDOWED_MASK = _WindowedMask()
+
+
 def rl_align_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0,
                   kv_offset: int = 0, mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                   **kwargs: Any) -> AttentionBatch:
     """transformers' AttentionMaskInterface entry for "rl_align": the AttentionBatch of a forward."""
     if isinstance(attention_mask, AttentionBatch):
         return attention_mask
+    if "local_size" in kwargs:  # a sliding-window or chunked mask: refused where a layer uses it
+        return WINDOWED_MASK
     device = kwargs.get("device") or (attention_mask.device if attention_mask is not None else None)
     packed_ids = _packed_sequence_ids(mask_function) if mask_function is not None else None
     if kv_offset != 0:
@@ -228,7 +262,7 @@ def rl_align_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     [B, Hkv, L, D] (a cache's whole buffer after its update). Returns ([B, n, Hq, D], None)."""
     if dropout:
         raise NotImplementedError("rl_align attention: attention dropout is not supported (set attention_dropout=0)")
-    if sliding_window is not None:
+    if sliding_window is not None or attention_mask is WINDOWED_MASK:
         raise NotImplementedError("rl_align attention: sliding-window attention is not supported")
     b, hq, n, d = query.shape
     if kwargs.get("cu_seq_lens_q") is not None:
@@ -295,6 +329,42 @@ def _norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
+    """<P>TopKRouter: (router logits [T, E] in the model dtype, weights fp32 [T, k], experts int64
+    [T, k]), as transformers' router returns them, but with the weights kept fp32 (transformers
+    rounds them to the model dtype) and the top-k taken over the logits, ties to the lower index."""
+    logits = _mg.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    weights, experts = moe_router(logits, self.top_k, bool(self.norm_topk_prob))
+    return logits, weights, experts
+
+
+def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """<P>MoeExperts (any config._experts_implementation: this forward replaces the dispatch)."""
+    return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sigmoid of x [T, 1], per row by one kernel whatever T is: the softmax weight of logit
+    ``x`` against ``0`` from moe_router (differentiable). torch's sigmoid takes a vector path for
+    the bulk of a tensor and a scalar one for its tail on the CPU, and inductor its own."""
+    weights, experts = moe_router(torch.cat([x, torch.zeros_like(x)], dim=-1), 2, False)
+    return torch.where(experts[:, :1] == 0, weights[:, :1], weights[:, 1:])
+
+
+def _shared_expert_moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen2MoeSparseMoeBlock: the routed experts plus the shared expert gated by
+    sigmoid(shared_expert_gate(x)), transformers' order of operations, with an invariant sigmoid
+    and the gate product in fp32 rounded once."""
+    batch_size, sequence_length, hidden_dim = hidden_states.shape
+    x = hidden_states.view(-1, hidden_dim)
+    shared = self.shared_expert(x)
+    _, routing_weights, selected_experts = self.gate(x)
+    routed = self.experts(x, selected_experts, routing_weights)
+    shared = (_sigmoid(self.shared_expert_gate(x)) * shared.float()).to(shared.dtype)
+    return (routed + shared).reshape(batch_size, sequence_length, hidden_dim)
 
 
 def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> RopeParams:
@@ -415,7 +485,7 @@ def _base_model_forward(self: nn.Module, *args: Any, **kwargs: Any):
 _PATCHED_FORWARDS = frozenset({_linear_forward, _embedding_forward, _norm_forward, _mlp_forward, _rotary_forward,
                                _dropout_forward, _decoder_forward, _attention_forward, _base_model_forward,
                                _column_forward, _row_forward, _vocab_embedding_forward, _vocab_logits_forward,
-                               _head_norm_forward})
+                               _head_norm_forward, _router_forward, _experts_forward, _shared_expert_moe_forward})
 # torch's dropout modules (nn.Dropout, Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout): the
 # identity in eval mode and at p = 0.
 _TORCH_DROPOUT_FORWARDS = frozenset(cls.forward for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
@@ -616,6 +686,21 @@ def _check_config(model: nn.Module, rotary: nn.Module) -> None:
     _check_rope(what, rotary)
     if not getattr(config, "is_causal", True):
         raise ValueError(f"{what}: bidirectional attention is not supported")
+    if _family(model) in MOE_FAMILIES:
+        if getattr(config, "router_jitter_noise", 0.0) or getattr(config, "router_noise", 0.0):
+            raise ValueError(f"{what}: router jitter / noise is not supported (random routing: two log-prob passes of "
+                             "the same tokens would differ)")
+
+
+def _check_experts(what: str, module: nn.Module) -> None:
+    """The expert weights' layout that moe_experts takes: transformers' default (gate and up
+    concatenated, [E, out, in], no bias)."""
+    layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+    odd = {k: getattr(module, k) for k, want in layout.items() if getattr(module, k, want) != want}
+    weights = [getattr(module, p, None) for p in ("gate_up_proj", "down_proj")]
+    if odd or not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights):
+        raise ValueError(f"{what} ({type(module).__name__}): only 3-D gate_up_proj [E, 2I, H] (gate then up) and "
+                         f"down_proj [E, H, I] expert weights without bias are supported, got {odd or 'other weights'}")
 
 
 def _forward_for(what: str, name: str, module: nn.Module, prefix: str) -> Callable[..., Any] | None:
@@ -638,6 +723,16 @@ def _forward_for(what: str, name: str, module: nn.Module, prefix: str) -> Callab
     if kind == f"{prefix}RotaryEmbedding":
         _check_rope(f"{what}: {name}", module)
         return _rotary_forward
+    if prefix in MOE_FAMILIES:
+        if kind == f"{prefix}Experts":
+            _check_experts(f"{what}: {name}", module)
+            return _experts_forward
+        if kind == f"{prefix}TopKRouter":
+            return _router_forward
+        if kind == f"{prefix}SparseMoeBlock":
+            # Qwen3-MoE's block (gate, then experts) is left as it is; Qwen2-MoE's adds the shared
+            # expert through a sigmoid gate, which runs here on an invariant sigmoid.
+            return _shared_expert_moe_forward if hasattr(module, "shared_expert_gate") else None
     return {
         f"{prefix}RMSNorm": _norm_forward,
         f"{prefix}MLP": _mlp_forward,
@@ -816,8 +911,9 @@ def _apply_tp(roles: list[tuple[nn.Module, str]], tp: "_tp.TPGroup | None") -> N
 
 
 def patch(model: nn.Module, tp_group: Any = None, tp_invariant: bool = False) -> PatchHandle:
-    """Runs ``model`` (a transformers Llama / Qwen2 / Qwen3 model: ``*ForCausalLM`` or the base
-    ``*Model``, possibly inside a wrapper such as a PEFT model) on rl_align ops until ``.revert()``
+    """Runs ``model`` (a transformers Llama / Qwen2 / Qwen3 model or the mixture-of-experts
+    Qwen3-MoE / Qwen2-MoE: ``*ForCausalLM`` or the base ``*Model``, possibly inside a wrapper such
+    as a PEFT model) on rl_align ops until ``.revert()``
     (or ``rl_engine_ext.unpatch(model)``). Raises ValueError for a model or configuration it
     cannot run invariantly (transformers outside TRANSFORMERS_SUPPORTED; a module already covered
     by another patch: patches do not nest; an nn.Linear / nn.Embedding subclass with its own
@@ -834,7 +930,7 @@ def patch(model: nn.Module, tp_group: Any = None, tp_invariant: bool = False) ->
     and gradients (each rank's shard of them) are then the same bits at TP = 1, 2, 4, 8, and the
     same as ``patch(model, tp_invariant=True)`` on one process (the numerics without sharding: a
     TP = 1 or FSDP2 trainer). A sharded model cannot be reverted (the other ranks' rows are
-    gone)."""
+    gone). Mixture-of-experts models refuse tensor parallelism (no expert parallelism)."""
     _check_transformers_version()
     prefix = _family(model)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -842,6 +938,10 @@ def patch(model: nn.Module, tp_group: Any = None, tp_invariant: bool = False) ->
     if rotary is None or type(rotary).__name__ != f"{prefix}RotaryEmbedding":
         raise ValueError(f"rl_engine_ext.patch: {type(model).__name__} has no {prefix}RotaryEmbedding")
     _check_config(model, rotary)
+    if (tp_group is not None or tp_invariant) and prefix in MOE_FAMILIES:
+        raise ValueError(f"rl_engine_ext.patch({type(model).__name__}): tensor parallelism (tp_group / tp_invariant) "
+                         "is not supported for mixture-of-experts models (expert parallelism is not built); patch "
+                         "without it")
     tp = _tp.tp_group(tp_group) if tp_group is not None or tp_invariant else None
     shards = _tp_plan(model, base, tp) if tp is not None else []
     owner = _Owner()
@@ -906,8 +1006,18 @@ def grad_accumulation_tile_tokens(model: nn.Module) -> int:
     ``fp32_grad_accumulation`` on this (patched) model to give the one batch's gradients bit for
     bit: the least common multiple of linear's LINEAR_GRAD_TILE_TOKENS and, per RMSNorm, its row
     tile over the rows a token gives it (one for hidden norms, a row per head for QK-norms).
-    Micro-batches must also hold whole sequences."""
+    Micro-batches must also hold whole sequences.
+
+    Raises ValueError for a mixture-of-experts model: each expert's weight gradient chains only
+    when that expert's tokens per micro-batch are a multiple of LINEAR_GRAD_TILE_TOKENS, which the
+    routing decides, not the micro-batch size."""
     config = model.config
+    if getattr(config, "model_type", None) in MODEL_FAMILIES and _family(model) in MOE_FAMILIES:
+        raise ValueError(
+            f"rl_engine_ext.grad_accumulation_tile_tokens: {type(model).__name__} is a mixture-of-experts model: no "
+            f"micro-batch token count makes its expert weight gradients chain (each expert's tokens per micro-batch "
+            f"must be a multiple of {LINEAR_GRAD_TILE_TOKENS}, and the router decides them); fp32_grad_accumulation "
+            "still sums every micro-batch into main_grad in fp32, deterministically")
     rows_per_token = {"q_norm": config.num_attention_heads, "k_norm": config.num_key_value_heads}
     tile = LINEAR_GRAD_TILE_TOKENS
     for name, module in model.named_modules():

@@ -10,6 +10,7 @@ last has a multiple of the tile of each op it runs:
     linear, linear_logprob (weight and bias)   LINEAR_GRAD_TILE_TOKENS (64) tokens
     rms_norm, add_rms_norm                     rms_norm_tile_rows(H) rows (32 for H = 4096)
     embedding                                  any number of tokens
+    grouped_linear (each expert's weights)     LINEAR_GRAD_TILE_TOKENS rows of that expert (routing decides)
 
 and besides: the micro-batches in the one batch's token order; each module used once per
 micro-batch (a module called twice in one forward adds two pieces per micro-batch to one chain, in
@@ -205,6 +206,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
     """rl_engine_ext.embedding; the weight gradient into ``weight.main_grad`` where it has one."""
     return call("embedding", ids, weight, padding_idx)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor,
+                   validate: bool = True) -> torch.Tensor:
+    """rl_engine_ext.grouped_linear; the expert weights' gradient into ``weight.main_grad`` where it
+    has one (a transformers ``*MoeExperts`` module's gate_up_proj / down_proj)."""
+    return call("grouped_linear", x, weight, group_offsets, validate)
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

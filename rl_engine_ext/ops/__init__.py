@@ -12,7 +12,7 @@ import importlib
 from ._spec import OpDef, OpSpec
 
 OP_MODULES = ("rms_norm", "add_rms_norm", "linear", "attention", "embedding", "silu_and_mul", "rope", "logprob",
-              "linear_logprob", "rank_sum", "linear_tree")
+              "linear_logprob", "rank_sum", "linear_tree", "grouped_linear", "moe_router", "moe_combine")
 
 SPECS: tuple[OpSpec, ...] = tuple(importlib.import_module(f"{__name__}.{name}").SPEC for name in OP_MODULES)
 

@@ -241,8 +241,10 @@ def grouped_linear_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, group_of
 
 def expert_offsets(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int64 [num_experts + 1] group offsets of rows sorted by expert id (``expert_ids`` any shape of
-    ids in [0, num_experts)): 0, then the running counts. On the ids' device, no synchronisation."""
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
+    ids in [0, num_experts)): 0, then the running counts. On the ids' device, no synchronisation
+    (torch.bincount reads the largest id on the host; integer scatter-adds are exact in any order)."""
+    ids = expert_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 

@@ -31,8 +31,11 @@ OP = "linear"
 # Shared with kLinearGradTileTokens in csrc/common/gemm_problem.h (exported by the native library).
 LINEAR_GRAD_TILE_TOKENS = 64
 
-# The module whose weight and bias linear (and linear_logprob: an LM head) takes.
-LINEAR_MODULE = ParamModule("nn.Linear", lambda module: isinstance(module, torch.nn.Linear), ("weight", "bias"))
+# The modules whose weight and bias linear (and linear_logprob: an LM head) takes: nn.Linear, and
+# the mixture-of-experts routers (transformers' *MoeTopKRouter: a bare [E, H] weight that the
+# patched router multiplies with linear).
+LINEAR_MODULE = ParamModule("nn.Linear", lambda module: isinstance(module, torch.nn.Linear)
+                            or type(module).__name__.endswith("MoeTopKRouter"), ("weight", "bias"))
 
 
 # ---------------------------------------------------------------------------------------------

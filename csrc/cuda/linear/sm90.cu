@@ -639,9 +639,12 @@ gpuError_t dispatch_config(DType dtype, const GemmProblem& p, gpuStream_t stream
 
 // Grouped rows (forward, grad input): groups of at most 64 rows on average take 64-row tiles (less
 // of each tile past its group's end), wide enough that the rows are read few times per weight;
-// larger ones linear's medium tile (no multicast: a pair of row tiles may straddle two groups).
-// Weight gradients (kReduction): the medium tile. Speed only: every configuration gives the same bits.
+// larger ones, and the weight gradients (kReduction), linear's large tile without multicast (a pair
+// of row tiles may straddle two groups); a chained weight gradient (its accumulator loaded into the
+// registers) the medium tile, where the large one spills. Speed only: every configuration gives the
+// same bits.
 using GroupedSmallConfig = Sm90Config<64, 128, 8>;
+using GroupedLargeConfig = Sm90Config<128, 256, 4>;
 
 template <typename T, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, GroupMode GROUP>
 gpuError_t dispatch_grouped(DType dtype, const GemmProblem& p, gpuStream_t stream) {
@@ -649,7 +652,11 @@ gpuError_t dispatch_grouped(DType dtype, const GemmProblem& p, gpuStream_t strea
     if (p.m <= 64 * p.groups)
       return launch_sm90<T, GroupedSmallConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, false, GROUP>(dtype, p, stream);
   }
-  return launch_sm90<T, MediumConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, false, GROUP>(dtype, p, stream);
+  if constexpr (HAS_ACCUM) {
+    return launch_sm90<T, MediumConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, false, GROUP>(dtype, p, stream);
+  } else {
+    return launch_sm90<T, GroupedLargeConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, false, GROUP>(dtype, p, stream);
+  }
 }
 
 // The layouts and outputs the linear ops use: forward, also as fp32 leaf sums (linear_tree); grad input, also as fp32 partial sums
