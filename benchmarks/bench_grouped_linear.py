@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
-from benchmarks.common import ABBA_LEGEND, bench_abba, bench_arg_parser, start_run, verdict  # noqa: E402
+from benchmarks.common import ABBA_LEGEND, bench_abba, bench_arg_parser, choose, start_run, verdict  # noqa: E402
 
 EXPERTS, TOP_K = 128, 8
 SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}  # (N, K) per expert
@@ -58,17 +58,13 @@ def main() -> int:
     parser = bench_arg_parser(__doc__)
     parser.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
     parser.add_argument("--tokens", default=None, help="comma list of token counts T")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=None, help="comma list of " + ",".join(MODES))
     args = parser.parse_args()
     device = args.device
     experts = QUICK_EXPERTS if args.quick else EXPERTS
-    known = {**SHAPES, **QUICK_SHAPES}
-    shapes = {k: known[k] for k in args.shapes.split(",")} if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
+    shapes = choose(parser, args.shapes, {**SHAPES, **QUICK_SHAPES}, QUICK_SHAPES if args.quick else SHAPES, "shape")
     token_counts = [int(v) for v in args.tokens.split(",")] if args.tokens else ([1, 64] if args.quick else TOKENS)
-    modes = args.modes.split(",")
-    unknown = [v for v in modes if v not in MODES]
-    if unknown:
-        parser.error(f"unknown mode {','.join(unknown)} (choose from {','.join(MODES)})")
+    modes = choose(parser, args.modes, MODES, MODES, "mode")
     rep_ms = 10 if args.quick else 60
     info, out, _ = start_run("grouped_linear", args, f"experts={experts} top_k={TOP_K}")
     gen = torch.Generator().manual_seed(0)

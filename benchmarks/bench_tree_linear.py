@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rl_engine_ext  # noqa: E402
-from benchmarks.common import ABBA_LEGEND, bench_abba, bench_arg_parser, start_run, verdict  # noqa: E402
+from benchmarks.common import ABBA_LEGEND, bench_abba, bench_arg_parser, choose, start_run, verdict  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -55,16 +55,12 @@ def main() -> int:
     parser = bench_arg_parser(__doc__)
     parser.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
     parser.add_argument("--ms", default=None, help="comma list of M values")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=None, help="comma list of " + ",".join(MODES))
     args = parser.parse_args()
     device = args.device
-    known = {**SHAPES, **QUICK_SHAPES}
-    shapes = {k: known[k] for k in args.shapes.split(",")} if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
+    shapes = choose(parser, args.shapes, {**SHAPES, **QUICK_SHAPES}, QUICK_SHAPES if args.quick else SHAPES, "shape")
     ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 64] if args.quick else MS)
-    modes = args.modes.split(",")
-    unknown = [v for v in modes if v not in MODES]
-    if unknown:
-        parser.error(f"unknown mode {','.join(unknown)} (choose from {','.join(MODES)})")
+    modes = choose(parser, args.modes, MODES, MODES, "mode")
     rep_ms = 10 if args.quick else 60
     info, out, _ = start_run("tree_linear", args)
     gen = torch.Generator().manual_seed(0)

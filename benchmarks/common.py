@@ -233,6 +233,19 @@ def bench_arg_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def choose(parser: argparse.ArgumentParser, value: str | None, known, default, what: str):
+    """A comma-list option (--shapes, --modes): the named entries of ``known`` (a dict {name: value}
+    gives a dict, a list of names a list), ``default`` when the option is not given; an unknown
+    name is a usage error."""
+    if value is None:
+        return default
+    names = value.split(",")
+    unknown = [v for v in names if v not in known]
+    if unknown:
+        parser.error(f"unknown {what} {','.join(unknown)} (choose from {','.join(known)})")
+    return {n: known[n] for n in names} if isinstance(known, dict) else names
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or None (after saying so) when matplotlib is missing."""
     try:

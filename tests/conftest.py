@@ -175,6 +175,23 @@ def capture_cuda_graph(step):
     return graph, outputs
 
 
+def fused_and_split_kernels(monkeypatch, env_var: str, calls):
+    """Runs ``calls()`` (a tuple of tensors) as is, then with ``env_var=0`` (the one-launch kernel
+    off), checks the two runs give the same bits and returns their rl_engine_ext.record_kernels
+    counts: (fused, split)."""
+    import rl_engine_ext
+
+    with rl_engine_ext.record_kernels() as fused_record:
+        fused = calls()
+    monkeypatch.setenv(env_var, "0")
+    with rl_engine_ext.record_kernels() as split_record:
+        split = calls()
+    assert len(fused) == len(split)
+    for a, b in zip(fused, split):
+        assert torch.equal(a, b)
+    return fused_record.counts, split_record.counts
+
+
 def assert_device_assert(setup: str, call: str, message: str) -> None:
     """Runs `setup` (Python lines, torch and rl_engine_ext imported) and `call` on CUDA in a
     subprocess (a device-side assert loses the CUDA context for the rest of the process) and

@@ -17,7 +17,7 @@ import rl_engine_ext as rl
 from rl_engine_ext import testing
 from rl_engine_ext.ops import grouped_linear as G
 
-from conftest import device_with_forced_paths, randn
+from conftest import device_with_forced_paths, fused_and_split_kernels, randn
 
 device = device_with_forced_paths("RL_ENGINE_EXT_LINEAR_PATH", ("sm80", "simt"))
 
@@ -157,16 +157,10 @@ def test_grouped_launch_equals_per_expert_flow(monkeypatch, counts):
     calls = lambda: (rl.grouped_linear(x, w, offsets), rl.grouped_linear_grad_input(dy, w, offsets),  # noqa: E731
                      rl.grouped_linear_grad_weight(dy, x, offsets), rl.grouped_linear_grad_weight(dy, x, offsets, accum),
                      rl.grouped_linear_grad_weight(dy, x, offsets, None, True, False))
-    with rl.record_kernels() as grouped_record:
-        grouped = calls()
-    monkeypatch.setenv("RL_ENGINE_EXT_GROUPED_LINEAR_FUSED", "0")
-    with rl.record_kernels() as split_record:
-        split = calls()
-    for a, b in zip(grouped, split):
-        assert torch.equal(a, b)
-    assert grouped_record.counts.get(("linear_gemm", "cuda/sm90")) == 5
+    grouped, split = fused_and_split_kernels(monkeypatch, "RL_ENGINE_EXT_GROUPED_LINEAR_FUSED", calls)
+    assert grouped.get(("linear_gemm", "cuda/sm90")) == 5
     nonempty = sum(1 for c in COUNTS[counts] if c)
-    assert split_record.counts.get(("linear_gemm", "cuda/sm90")) == 5 * nonempty
+    assert split.get(("linear_gemm", "cuda/sm90")) == 5 * nonempty
 
 
 @pytest.mark.cuda

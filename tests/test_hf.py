@@ -1,5 +1,7 @@
 """rl_engine_ext.patch on Hugging Face models: sampler == trainer end to end, every batch
-composition, caches, compile, gradient accumulation, and the refusals."""
+composition, caches, compile, gradient accumulation, and the refusals. The checks that hold for
+every model run on the mixture-of-experts models too (MOE_TYPES); what is MoE's own (experts,
+router, main_grad of 3-D weights, its refusals): tests/test_hf_moe.py."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
 MODEL_TYPES = ["qwen3", "llama", "qwen2"]
+MOE_TYPES = ["qwen3_moe", "qwen2_moe"]  # 8 experts, top-2, 3 layers of which the middle one is dense
+PROMPTS = (5, 17, 1, 11, 30)
+MOE_PROMPTS = (5, 11, 1, 8)  # where a MoE model takes the longer checks, shorter prompts keep them fast
 
 
 def _dims(device: str) -> str:
@@ -32,15 +37,40 @@ def _model(model_type: str, device: str, dtype=torch.bfloat16, dims: str | None 
     return example.build_model(model_type, dims or _dims(device), device, dtype)
 
 
-def _prompts(model, device, lengths=(5, 17, 1, 11, 30)):
+def _prompts(model, device, lengths=PROMPTS):
     return example.left_padded_prompts(list(lengths), model.config.vocab_size, device)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def _seqs(device, lengths=(7, 19, 1, 12), seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (n,), generator=g).to(device) for n in lengths]
+
+
+def _pad(seqs, width, right, device):
+    """(ids, mask) of seqs padded to width, on the right or the left."""
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        cols = slice(0, len(s)) if right else slice(width - len(s), width)
+        ids[i, cols], mask[i, cols] = s, 1
+    return ids, mask
+
+
+def _assert_patch_refused(cases):
+    """Each (config, match): patch() of a model built from config raises match, leaving it unpatched."""
+    for config, match in cases:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with pytest.raises(ValueError, match=match):
+            rl.patch(model)
+        assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("model_type", [*MODEL_TYPES, "qwen3_moe"])
 def test_sampler_equals_trainer(device, model_type, monkeypatch):
     """The example: generate() with a left-padded batch and a KV cache records log-probs that the
     trainer reproduces bit for bit padded, re-padded, packed, alone and compiled (ratio 1.0), under
-    strict mode; its trainer step ran native kernels only (no reference)."""
+    strict mode; its trainer step ran native kernels only (no reference), a MoE model's among them
+    the MoE ones."""
     reports = []  # the command line runs the example once; the report it printed is checked here
     monkeypatch.setattr(example, "run", lambda *a, run=example.run, **k: reports.append(run(*a, **k)) or reports[-1])
     assert example.main(["--device", device, "--dims", _dims(device), "--models", model_type]) == 0
@@ -50,39 +80,46 @@ def test_sampler_equals_trainer(device, model_type, monkeypatch):
         assert r["tokens"] == 5 * 8, (name, r)
     paths = {path for _, path in report["kernels"]}
     assert paths and paths <= {"cpu", "cuda/simt", "cuda/sm80", "cuda/sm90"}, report["kernels"]
+    if model_type in MOE_TYPES:
+        assert any("moe" in k or "grouped" in k for k, _ in report["kernels"]), report["kernels"]
 
 
-def test_patched_model_computes_the_model(device):
-    """Axis-B: the patched fp32 model's logits are HF's within fp32 rounding (the same model)."""
-    model = _model("qwen3", device, torch.float32)
+@pytest.mark.parametrize("model_type", ["qwen3", *MOE_TYPES])
+def test_patched_model_computes_the_model(device, model_type):
+    """Axis-B: the patched fp32 model's logits (positions from the mask) are HF's within fp32
+    rounding (the same model; a MoE model's the same routing), and so are a MoE model's auxiliary
+    load-balancing loss (output_router_logits), computed by torch from the patched router's logits,
+    and its router logits."""
+    model = _model(model_type, device, torch.float32)
     ids, mask = _prompts(model, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    moe = model_type in MOE_TYPES
+    kwargs = dict(attention_mask=mask, **(dict(output_router_logits=True, labels=ids) if moe else {}))
     with torch.no_grad():
-        want = model(ids, attention_mask=mask, position_ids=positions).logits
+        want = model(ids, position_ids=positions, **kwargs)
         with rl.patch(model):
-            got = model(ids, attention_mask=mask).logits
+            got = model(ids, **kwargs)
     real = mask.bool()
-    torch.testing.assert_close(got[real], want[real], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-4, rtol=2e-4)
+    if moe:
+        assert len(got.router_logits) == 2  # the two MoE layers (the middle one is dense)
+        torch.testing.assert_close(got.aux_loss, want.aux_loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.router_logits[0], want.router_logits[0], atol=2e-5, rtol=1e-4)
 
 
-def test_padding_packing_and_flash_kwargs_equal_alone(device):
+@pytest.mark.parametrize("model_type", ["qwen3", *MOE_TYPES])
+def test_padding_packing_and_flash_kwargs_equal_alone(device, model_type):
     """Left and right padding (positions from the mask), packing detected from position_ids,
     packing given as flash-attention kwargs: each sequence's logits are its logits alone."""
-    model = _model("qwen3", device)
+    model = _model(model_type, device)
     rl.patch(model)
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(3, 200, (n,), generator=g).to(device) for n in (7, 19, 1, 12)]
+    seqs = _seqs(device)
     with torch.no_grad():
         alone = [model(s[None], use_cache=False).logits[0] for s in seqs]
-        width = 21
         for right in (False, True):
-            ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-            mask = torch.zeros_like(ids)
-            for i, s in enumerate(seqs):
-                cols = slice(0, len(s)) if right else slice(width - len(s), width)
-                ids[i, cols], mask[i, cols] = s, 1
+            ids, mask = _pad(seqs, 21, right, device)
             logits = model(ids, attention_mask=mask, use_cache=False).logits
-            for i, s in enumerate(seqs):
+            for i in range(len(seqs)):
                 assert torch.equal(logits[i][mask[i].bool()], alone[i]), (right, i)
         packed = torch.cat(seqs)[None]
         positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])[None]
@@ -94,14 +131,17 @@ def test_padding_packing_and_flash_kwargs_equal_alone(device):
         assert torch.equal(logits, torch.cat(alone))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
-def test_generate_caches_chunks_and_batch_invariance(device, model_type):
+@pytest.mark.parametrize("model_type, lengths, new_tokens", [
+    ("qwen3", PROMPTS, 6), ("llama", PROMPTS, 6), *((moe, MOE_PROMPTS, 4) for moe in MOE_TYPES)],
+    ids=["qwen3", "llama", *MOE_TYPES])
+def test_generate_caches_chunks_and_batch_invariance(device, model_type, lengths, new_tokens):
     """Greedy generate(): a left-padded batch with a DynamicCache, a StaticCache, chunked prefill
     and each prompt alone give the same tokens and the same logits, bit for bit."""
     model = _model(model_type, device)
-    ids, mask = _prompts(model, device)
+    ids, mask = _prompts(model, device, lengths)
     rl.patch(model)
-    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
     with torch.no_grad():
         dynamic = model.generate(ids, attention_mask=mask, **kwargs)
         static = model.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
@@ -116,12 +156,14 @@ def test_generate_caches_chunks_and_batch_invariance(device, model_type):
             assert all(torch.equal(a[0], b[i]) for a, b in zip(alone.logits, dynamic.logits))
 
 
-def test_compile_equals_eager_forward_and_backward(device, own_compile):
+@pytest.mark.parametrize("model_type, lengths", [("qwen3", PROMPTS), ("qwen3_moe", MOE_PROMPTS)],
+                         ids=["qwen3", "qwen3_moe"])
+def test_compile_equals_eager_forward_and_backward(device, own_compile, model_type, lengths):
     """torch.compile(fullgraph=True) of the patched model: the same logits and the same
     parameter gradients as eager, bit for bit (no glue left for inductor to re-fuse)."""
-    model = _model("qwen3", device)
+    model = _model(model_type, device)
     model.train()
-    ids, mask = _prompts(model, device)
+    ids, mask = _prompts(model, device, lengths)
     rl.patch(model)
 
     def step(fn):
@@ -147,12 +189,16 @@ def test_compile_equals_eager_forward_and_backward(device, own_compile):
 
 
 @pytest.mark.cuda
-def test_decode_step_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_decode_step_replays_in_a_cuda_graph(model_type):
     """A patched model's decode step with a StaticCache, captured in a CUDA graph (eager kernels,
-    no compile), replays the eager step's logits bit for bit for other tokens; without
-    position_ids the capture is refused with a clear error."""
+    no compile; a MoE model's with no host synchronisation on the MoE path), replays the eager
+    step's logits bit for bit for other tokens; without position_ids the capture is refused with a
+    clear error."""
+    if model_type in MOE_TYPES and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("grouped_linear reads its offsets on the device on sm_90a only")  # elsewhere on the host
     device = "cuda"
-    model = _model("qwen3", device)
+    model = _model(model_type, device)
     ids, mask = _prompts(model, device)
     rl.patch(model)
     batch, width = ids.shape
@@ -217,11 +263,7 @@ def test_refusals(device):
         (transformers.LlamaConfig(**cfg, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
          "rope_type 'dynamic'"),
     ]
-    for config, match in cases:
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with pytest.raises(ValueError, match=match):
-            rl.patch(model)
-        assert not any("forward" in vars(m) for m in model.modules())
+    _assert_patch_refused(cases)
     model = _model("qwen3", device)
     ids, mask = _prompts(model, device)
     rl.patch(model)

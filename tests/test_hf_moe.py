@@ -1,8 +1,10 @@
 """Mixture of experts: rl_engine_ext.moe_experts and rl_engine_ext.patch on transformers' Qwen3-MoE
-and Qwen2-MoE (issue 35): sampler == trainer bit for bit in every batch composition, generate()
-with caches, compile, gradients, fp32 gradient accumulation, revert and the refusals. Tiny random
-models from examples/sampler_trainer.py (8 experts, top-2, 3 layers of which the middle one is
-dense)."""
+and Qwen2-MoE (issue 35): router ties, token and expert gradients, fp32 gradient accumulation,
+revert and the refusals. Tiny random models from examples/sampler_trainer.py (8 experts, top-2, 3
+layers of which the middle one is dense). The checks every patched model passes run on these
+models in tests/test_hf.py (MOE_TYPES there): sampler == trainer (the example), the fp32 model is
+HF's (logits, router logits, aux loss), padding / packing / flash kwargs equal alone, generate()'s
+caches and chunked prefill, compile, the CUDA-graph decode step."""
 
 from __future__ import annotations
 
@@ -18,28 +20,12 @@ transformers = pytest.importorskip("transformers")
 import rl_engine_ext as rl  # noqa: E402
 from rl_engine_ext import hf  # noqa: E402
 from rl_engine_ext.ops.linear import LINEAR_GRAD_TILE_TOKENS  # noqa: E402
-from test_hf import _dims, _model, _prompts, example  # noqa: E402
+from test_hf import MOE_TYPES, _assert_patch_refused, _model, _pad, _prompts, _seqs, example  # noqa: E402
 from test_hf_patch import _sampler_equals_trainer  # noqa: E402
-
-MOE_TYPES = ["qwen3_moe", "qwen2_moe"]
 
 
 def _experts_modules(model):
     return [m for m in model.modules() if type(m).__name__.endswith("MoeExperts")]
-
-
-def _pad(seqs, width, right, device):
-    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        cols = slice(0, len(s)) if right else slice(width - len(s), width)
-        ids[i, cols], mask[i, cols] = s, 1
-    return ids, mask
-
-
-def _seqs(device, lengths=(7, 19, 1, 12), seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 250, (n,), generator=g).to(device) for n in lengths]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,62 +144,13 @@ def test_moe_experts_main_grad_chains_over_micro_batches(device):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_sampler_equals_trainer_qwen3_moe(device, monkeypatch):
-    """The example with a Qwen3-MoE: generate() records log-probs that the trainer reproduces bit
-    for bit padded, re-padded, packed, alone and compiled, under strict mode."""
-    reports = []
-    monkeypatch.setattr(example, "run", lambda *a, run=example.run, **k: reports.append(run(*a, **k)) or reports[-1])
-    assert example.main(["--device", device, "--dims", _dims(device), "--models", "qwen3_moe"]) == 0
-    (report,) = reports
-    for name, r in report["results"].items():
-        assert r["max_abs_delta"] == 0.0 and r["ratio_exactly_one"], (name, r)
-        assert r["tokens"] == 5 * 8, (name, r)
-    kernels = {kernel for kernel, _ in report["kernels"]}
-    paths = {path for _, path in report["kernels"]}
-    assert paths and paths <= {"cpu", "cuda/simt", "cuda/sm80", "cuda/sm90"}, report["kernels"]
-    assert any("moe" in k or "grouped" in k for k in kernels), report["kernels"]
-
-
 @pytest.mark.parametrize("model_type", MOE_TYPES)
-def test_padding_packing_and_generate_equal_alone(device, model_type):
-    """Left and right padding, packing (position_ids restarts): each sequence's logits are its
-    logits alone; generate_with_logprobs' log-probs are token_logprobs' of the sequences."""
+def test_generate_with_logprobs_equals_token_logprobs(device, model_type):
+    """generate_with_logprobs' log-probs (two samples a prompt) are token_logprobs' of the
+    sequences, bit for bit."""
     model = _model(model_type, device)
     rl.patch(model)
-    seqs = _seqs(device)
-    with torch.no_grad():
-        alone = [model(s[None], use_cache=False).logits[0] for s in seqs]
-        for right in (False, True):
-            ids, mask = _pad(seqs, 21, right, device)
-            logits = model(ids, attention_mask=mask, use_cache=False).logits
-            for i in range(len(seqs)):
-                assert torch.equal(logits[i][mask[i].bool()], alone[i]), (right, i)
-        packed = torch.cat(seqs)[None]
-        positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])[None]
-        assert torch.equal(model(packed, position_ids=positions, use_cache=False).logits[0], torch.cat(alone))
     _sampler_equals_trainer(model, device, num_return_sequences=2)
-
-
-@pytest.mark.parametrize("model_type", MOE_TYPES)
-def test_generate_caches_and_each_prompt_alone(device, model_type):
-    """Greedy generate(): a left-padded batch with a DynamicCache, a StaticCache, chunked prefill
-    and each prompt alone give the same tokens and logits, bit for bit."""
-    model = _model(model_type, device)
-    ids, mask = _prompts(model, device, lengths=(5, 11, 1, 8))
-    rl.patch(model)
-    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        dynamic = model.generate(ids, attention_mask=mask, **kwargs)
-        static = model.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
-        chunked = model.generate(ids, attention_mask=mask, prefill_chunk_size=4, **kwargs)
-        for other in (static, chunked):
-            assert torch.equal(other.sequences, dynamic.sequences)
-            assert all(torch.equal(a, b) for a, b in zip(other.logits, dynamic.logits))
-        for i in range(ids.shape[0]):
-            real = ids[i][mask[i].bool()][None]
-            alone = model.generate(real, attention_mask=torch.ones_like(real), **kwargs)
-            assert torch.equal(alone.sequences[0, real.shape[1]:], dynamic.sequences[i, ids.shape[1]:])
-            assert all(torch.equal(a[0], b[i]) for a, b in zip(alone.logits, dynamic.logits))
 
 
 def test_router_ties_go_to_the_lower_expert(device):
@@ -243,34 +180,6 @@ def test_router_ties_go_to_the_lower_expert(device):
     assert (experts < 2).any(1).any()  # a tie was exercised
     for i in range(len(seqs)):
         assert torch.equal(batch[i][mask[i].bool()], alone[i])
-
-
-def test_compile_equals_eager_forward_and_backward(device, own_compile):
-    """torch.compile(fullgraph=True) of token_logprobs on a patched Qwen3-MoE: the same log-probs
-    and parameter gradients as eager, bit for bit."""
-    model = _model("qwen3_moe", device)
-    model.train()
-    ids, mask = _prompts(model, device, lengths=(5, 11, 1, 8))
-    rl.patch(model)
-
-    def step(fn):
-        model.zero_grad(set_to_none=True)
-        logp = fn(model, ids, mask, temperature=0.9)
-        logp.sum().backward()
-        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    eager_logp, eager_grads = step(rl.token_logprobs)
-    compiled_logp, compiled_grads = step(torch.compile(rl.token_logprobs, fullgraph=True))
-    assert torch.equal(compiled_logp, eager_logp)
-    bitwise = device == "cuda" or torch.__version__ >= "2.13"  # as tests/test_hf.py's dense case
-    for name, grad in eager_grads.items():
-        if bitwise:
-            assert torch.equal(compiled_grads[name], grad), name
-        else:
-            torch.testing.assert_close(compiled_grads[name], grad, rtol=0.02, atol=0.07, msg=name)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
-        assert torch.equal(torch.compile(model, fullgraph=True)(ids, attention_mask=mask).logits, logits)
 
 
 @pytest.mark.parametrize("model_type", MOE_TYPES)
@@ -306,26 +215,6 @@ def test_token_gradients_are_batch_invariant(device, model_type):
     assert params.keys() == again.keys() and all(torch.equal(params[n], again[n]) for n in params)
     needed = [n for n in dict(model.named_parameters()) if ".experts." in n or ".gate." in n or "shared_expert" in n]
     assert needed and all(n in params and params[n].abs().sum() > 0 for n in needed)
-
-
-def test_patched_model_computes_the_model(device):
-    """Axis-B: the patched fp32 models' logits are HF's within fp32 rounding (the same routing),
-    and so are the auxiliary load-balancing loss (output_router_logits) computed by torch from
-    the patched router's logits."""
-    for model_type in MOE_TYPES:
-        model = _model(model_type, device, torch.float32)
-        ids, mask = _prompts(model, device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        kwargs = dict(attention_mask=mask, position_ids=positions, output_router_logits=True, labels=ids)
-        with torch.no_grad():
-            want = model(ids, **kwargs)
-            with rl.patch(model):
-                got = model(ids, **kwargs)
-        real = mask.bool()
-        torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-4, rtol=2e-4, msg=model_type)
-        assert len(got.router_logits) == 2  # the two MoE layers (the middle one is dense)
-        torch.testing.assert_close(got.aux_loss, want.aux_loss, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got.router_logits[0], want.router_logits[0], atol=2e-5, rtol=1e-4)
 
 
 def test_unpatched_model_is_the_control(device):
@@ -417,11 +306,7 @@ def test_refusals():
         (transformers.Qwen2MoeConfig(**dims, use_sliding_window=True, sliding_window=8, max_window_layers=4),
          "sliding-window"),
     ]
-    for config, match in cases:
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with pytest.raises(ValueError, match=match):
-            rl.patch(model)
-        assert not any("forward" in vars(m) for m in model.modules())
+    _assert_patch_refused(cases)
     model = _model("qwen3_moe", "cpu")
     with pytest.raises(ValueError, match="not supported for mixture-of-experts"):
         rl.patch(model, tp_invariant=True)
@@ -430,39 +315,3 @@ def test_refusals():
         rl.patch(model)
     assert not any("forward" in vars(m) for m in model.modules())
 
-
-@pytest.mark.cuda
-def test_moe_decode_step_replays_in_a_cuda_graph():
-    """A patched Qwen3-MoE decode step with a StaticCache, captured in a CUDA graph: no host
-    synchronisation on the MoE path; replays the eager step's logits bit for bit. sm_90 only:
-    elsewhere grouped_linear's per-expert GEMMs read the offsets on the host."""
-    from conftest import capture_cuda_graph
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("grouped_linear reads its offsets on the device on sm_90a only")
-    device = "cuda"
-    model = _model("qwen3_moe", device)
-    ids, mask = _prompts(model, device)
-    rl.patch(model)
-    batch, width = ids.shape
-    cache = transformers.StaticCache(config=model.config, max_cache_len=width + 8)
-    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    positions = step_mask.sum(-1, keepdim=True) - 1
-    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-
-    def step():
-        for layer in cache.layers:
-            layer.cumulative_length.fill_(width)
-        return model(tokens, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
-                     use_cache=True).logits
-
-    with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        graph, logits = capture_cuda_graph(step)
-        for seed in range(3):
-            g = torch.Generator().manual_seed(seed)
-            tokens.copy_(torch.randint(3, model.config.vocab_size, (batch, 1), generator=g))
-            graph.replay()
-            replayed = logits.clone()
-            assert torch.equal(replayed, step()), seed
-    torch.cuda.synchronize()

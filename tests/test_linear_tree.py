@@ -15,7 +15,7 @@ import rl_engine_ext as rl
 from rl_engine_ext import testing
 from rl_engine_ext.ops.rank_sum import tree_sum_fp32
 
-from conftest import device_with_forced_paths, randn
+from conftest import device_with_forced_paths, fused_and_split_kernels, randn
 
 device = device_with_forced_paths("RL_ENGINE_EXT_LINEAR_PATH", ("sm80", "simt"))
 
@@ -151,17 +151,11 @@ def test_fused_kernel_equals_leaf_by_leaf(monkeypatch, leaves, m):
     x, w, b, dy = _inputs(m, 1024, 2048, torch.bfloat16, "cuda", seed=leaves + m)
     calls = lambda: (rl.linear_tree(x, w, b, leaves), rl.linear_tree(x, w, None, leaves, True),  # noqa: E731
                      rl.linear_tree_grad_input(dy, w, leaves), rl.linear_tree_grad_input(dy, w, leaves, True))
-    with rl.record_kernels() as fused_record:
-        fused = calls()
-    monkeypatch.setenv("RL_ENGINE_EXT_LINEAR_TREE_FUSED", "0")
-    with rl.record_kernels() as split_record:
-        split = calls()
-    for a, b_ in zip(fused, split):
-        assert torch.equal(a, b_)
-    assert fused_record.counts.get(("linear_gemm", "cuda/sm90")) == 4
-    assert ("rank_sum", "cuda/simt") not in fused_record.counts
-    assert split_record.counts.get(("linear_gemm", "cuda/sm90")) == 4 * leaves
-    assert split_record.counts.get(("rank_sum", "cuda/simt")) == 4
+    fused, split = fused_and_split_kernels(monkeypatch, "RL_ENGINE_EXT_LINEAR_TREE_FUSED", calls)
+    assert fused.get(("linear_gemm", "cuda/sm90")) == 4
+    assert ("rank_sum", "cuda/simt") not in fused
+    assert split.get(("linear_gemm", "cuda/sm90")) == 4 * leaves
+    assert split.get(("rank_sum", "cuda/simt")) == 4
 
 
 def test_tree_linear_noncontiguous_arguments(device, dtype):

@@ -109,4 +109,30 @@ RL_ALIGN_HOST_DEVICE float moe_router_lane_tree(float* v) {
   return v[0];
 }
 
+// The backward's rank-order part for one token: from the probabilities p[r] of its chosen experts
+// and g[r] = grad_weights[r], r < k, writes dq[r] (normalize: (g_r - dot) / S2; otherwise g_r) and
+// returns c = ((p_0 dq_0 + p_1 dq_1) + ...), each step one fp32 operation in rank order, as above.
+// Every lane of a GPU token group runs it whole (the same instructions, so the same bits).
+RL_ALIGN_HOST_DEVICE float moe_router_backward_ranks(const float* p, const float* g, int64_t k, bool normalize,
+                                                     float* dq) {
+  if (normalize) {
+    float s2 = p[0];
+    for (int64_t r = 1; r < k; ++r) s2 = add_rn(s2, p[r]);
+    float dot = 0.f;
+    for (int64_t r = 0; r < k; ++r) {
+      const float term = mul_rn(g[r], div_rn(p[r], s2));
+      dot = r == 0 ? term : add_rn(dot, term);
+    }
+    for (int64_t r = 0; r < k; ++r) dq[r] = div_rn(add_rn(g[r], -dot), s2);
+  } else {
+    for (int64_t r = 0; r < k; ++r) dq[r] = g[r];
+  }
+  float c = 0.f;
+  for (int64_t r = 0; r < k; ++r) {
+    const float term = mul_rn(p[r], dq[r]);
+    c = r == 0 ? term : add_rn(c, term);
+  }
+  return c;
+}
+
 }  // namespace rl_align

@@ -90,23 +90,7 @@ void backward(const MoeRouterOperands& a) {
       const float* g = a.grad_weights + t * k;
       const int64_t* ids = a.experts_in + t * k;
       for (int64_t r = 0; r < k; ++r) p[r] = sm.p(ids[r]);
-      if (a.normalize) {
-        float s2 = p[0];
-        for (int64_t r = 1; r < k; ++r) s2 = add_rn(s2, p[r]);
-        float dot = 0.f;
-        for (int64_t r = 0; r < k; ++r) {
-          const float term = mul_rn(g[r], div_rn(p[r], s2));
-          dot = r == 0 ? term : add_rn(dot, term);
-        }
-        for (int64_t r = 0; r < k; ++r) dq[r] = div_rn(add_rn(g[r], -dot), s2);
-      } else {
-        for (int64_t r = 0; r < k; ++r) dq[r] = g[r];
-      }
-      float c = 0.f;
-      for (int64_t r = 0; r < k; ++r) {
-        const float term = mul_rn(p[r], dq[r]);
-        c = r == 0 ? term : add_rn(c, term);
-      }
+      const float c = moe_router_backward_ranks(p.data(), g, k, a.normalize, dq.data());
       std::fill(dp.begin(), dp.end(), 0.f);
       std::fill(seen.begin(), seen.end(), 0);
       for (int64_t r = 0; r < k; ++r) {

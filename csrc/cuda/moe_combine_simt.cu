@@ -17,7 +17,7 @@
 // named row's owner once. No atomics, no shared memory; nothing depends on the number of tokens.
 #include "moe_combine_kernels.h"
 
-#include "../primitives/pack.h"
+#include "../primitives/row_groups.h"
 #include "device_assert.cuh"
 
 namespace rl_align {
@@ -29,57 +29,6 @@ constexpr int64_t kMaxGrid = 65535;
 
 __device__ __forceinline__ void fail_bad_position(const char* op, int64_t position, int64_t rows) {
   fail_index_out_of_range(op, "position", position, "", rows, " rows of expert_out");
-}
-
-template <typename T, int VEC, bool VECTOR_IO>
-__device__ __forceinline__ Pack<T, VEC> load_group(const T* __restrict__ row, int64_t col, int64_t cols) {
-  Pack<T, VEC> p;
-  if constexpr (VECTOR_IO) {
-    *reinterpret_cast<uint4*>(&p) = __ldg(reinterpret_cast<const uint4*>(row + col));
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) p.v[j] = col + j < cols ? row[col + j] : Convert<T>::from_float(0.f);
-  }
-  return p;
-}
-
-template <typename T, int VEC, bool VECTOR_IO>
-__device__ __forceinline__ void store_group(T* __restrict__ row, int64_t col, int64_t cols, const Pack<T, VEC>& p) {
-  if constexpr (VECTOR_IO) {
-    *reinterpret_cast<uint4*>(row + col) = *reinterpret_cast<const uint4*>(&p);
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      if (col + j < cols) row[col + j] = p.v[j];
-    }
-  }
-}
-
-struct Coverage {
-  int threads_per_row;
-  dim3 grid;
-};
-
-Coverage coverage_of(int64_t rows, int64_t groups_per_row) {
-  int tpr = 1;
-  while (tpr < groups_per_row && tpr < kBlockThreads) tpr *= 2;
-  const int rpb = kBlockThreads / tpr;
-  const int64_t grid_x = ceil_div(groups_per_row, tpr);
-  const int64_t grid_y = ceil_div(rows, rpb);
-  return {tpr, dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y < kMaxGrid ? grid_y : kMaxGrid))};
-}
-
-// Calls body(row, col) for every (row, first column of a group) this thread owns.
-template <int VEC, typename Body>
-__device__ __forceinline__ void for_each_group(int64_t rows, int64_t cols, int threads_per_row, Body&& body) {
-  const int rows_per_block = blockDim.x / threads_per_row;
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * threads_per_row + threadIdx.x % threads_per_row) * VEC;
-  if (col >= cols) return;
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * rows_per_block;
-  for (int64_t row = static_cast<int64_t>(blockIdx.y) * rows_per_block + threadIdx.x / threads_per_row; row < rows;
-       row += row_step) {
-    if (!body(row, col)) return;
-  }
 }
 
 template <typename T, bool VECTOR_IO>
@@ -198,11 +147,6 @@ __global__ void __launch_bounds__(kBlockThreads) moe_combine_bwd_weights_kernel(
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <typename T>
-bool rows_aligned16(const void* p, int64_t row_stride) {
-  return aligned16(p) && (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0;
-}
-
 unsigned grid_1d(int64_t items, int64_t per_block) {
   const int64_t blocks = ceil_div(items, per_block);
   return static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid);
@@ -215,7 +159,7 @@ gpuError_t moe_combine_fwd_simt(DType dtype, const MoeCombineOperands& a, gpuStr
   return dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int VEC = 16 / sizeof(T);
-    const Coverage c = coverage_of(a.tokens, ceil_div(a.hidden, VEC));
+    const RowGroupCoverage c = row_group_coverage<kBlockThreads>(a.tokens, ceil_div(a.hidden, VEC));
     const bool vector_io = a.hidden % VEC == 0 && rows_aligned16<T>(a.expert_out, a.expert_out_stride) &&
                            aligned16(a.out);
     const auto kernel = vector_io ? moe_combine_fwd_kernel<T, true> : moe_combine_fwd_kernel<T, false>;
@@ -236,7 +180,7 @@ gpuError_t moe_combine_bwd_rows_simt(DType dtype, const MoeCombineOperands& a, g
   return dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int VEC = 16 / sizeof(T);
-    const Coverage c = coverage_of(a.rows, ceil_div(a.hidden, VEC));
+    const RowGroupCoverage c = row_group_coverage<kBlockThreads>(a.rows, ceil_div(a.hidden, VEC));
     const bool vector_io = a.hidden % VEC == 0 && rows_aligned16<T>(a.grad_out, a.grad_out_stride) &&
                            aligned16(a.grad_expert_out);
     const auto kernel = vector_io ? moe_combine_bwd_rows_kernel<T, true> : moe_combine_bwd_rows_kernel<T, false>;

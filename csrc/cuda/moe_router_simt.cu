@@ -125,23 +125,7 @@ __global__ void __launch_bounds__(kThreads) moe_router_bwd_kernel(MoeRouterOpera
     for (int64_t r = 0; r < k; ++r) {
       p[r] = div_rn(moe_exp(add_rn(Convert<T>::to_float(row[ids[r]]), -sm.m)), sm.sum);
     }
-    if (a.normalize) {
-      float s2 = p[0];
-      for (int64_t r = 1; r < k; ++r) s2 = add_rn(s2, p[r]);
-      float dot = 0.f;
-      for (int64_t r = 0; r < k; ++r) {
-        const float term = mul_rn(g[r], div_rn(p[r], s2));
-        dot = r == 0 ? term : add_rn(dot, term);
-      }
-      for (int64_t r = 0; r < k; ++r) dq[r] = div_rn(add_rn(g[r], -dot), s2);
-    } else {
-      for (int64_t r = 0; r < k; ++r) dq[r] = g[r];
-    }
-    float c = 0.f;
-    for (int64_t r = 0; r < k; ++r) {
-      const float term = mul_rn(p[r], dq[r]);
-      c = r == 0 ? term : add_rn(c, term);
-    }
+    const float c = moe_router_backward_ranks(p, g, k, a.normalize, dq);
     T* out = static_cast<T*>(a.grad_logits) + t * a.experts;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {

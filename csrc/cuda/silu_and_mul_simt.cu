@@ -13,80 +13,12 @@
 // 16-byte accesses per SM keep the loads in flight; no shared memory, no synchronisation.
 #include "silu_and_mul_kernels.h"
 
-#include "../primitives/pack.h"
+#include "../primitives/row_groups.h"
 
 namespace rl_align {
 namespace {
 
 constexpr int kBlockThreads = 256;
-constexpr int64_t kMaxGridY = 65535;
-
-template <typename T, int VEC, bool VECTOR_IO>
-__device__ __forceinline__ Pack<T, VEC> load_group(const T* __restrict__ row, int64_t col, int64_t cols) {
-  Pack<T, VEC> p;
-  if constexpr (VECTOR_IO) {
-    *reinterpret_cast<uint4*>(&p) = __ldg(reinterpret_cast<const uint4*>(row + col));
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) p.v[j] = col + j < cols ? row[col + j] : Convert<T>::from_float(0.f);
-  }
-  return p;
-}
-
-template <typename T, int VEC, bool VECTOR_IO>
-__device__ __forceinline__ void store_group(T* __restrict__ row, int64_t col, int64_t cols,
-                                            const Pack<T, VEC>& p) {
-  if constexpr (VECTOR_IO) {
-    uint4 raw;
-    *reinterpret_cast<Pack<T, VEC>*>(&raw) = p;
-#if RL_ALIGN_HIP
-    *reinterpret_cast<uint4*>(row + col) = raw;
-#else
-    // nvcc splits a plain 16-byte store of the group into 2- and 4-byte stores here (seen in the
-    // PTX); the instruction itself keeps it one 16-byte store.
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(row + col), "r"(raw.x),
-                 "r"(raw.y), "r"(raw.z), "r"(raw.w)
-                 : "memory");
-#endif
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      if (col + j < cols) row[col + j] = p.v[j];
-    }
-  }
-}
-
-// How a launch covers [rows, groups]: the same for both directions.
-struct Coverage {
-  int threads_per_row;
-  int rows_per_block;
-  dim3 grid;
-};
-
-Coverage coverage_of(int64_t rows, int64_t groups_per_row) {
-  int tpr = 1;
-  while (tpr < groups_per_row && tpr < kBlockThreads) tpr *= 2;
-  const int rpb = kBlockThreads / tpr;
-  const int64_t grid_x = ceil_div(groups_per_row, tpr);
-  const int64_t grid_y = ceil_div(rows, rpb);
-  return {tpr, rpb, dim3(static_cast<unsigned>(grid_x),
-                         static_cast<unsigned>(grid_y < kMaxGridY ? grid_y : kMaxGridY))};
-}
-
-// Calls body(row, col) for every (row, first column of a group) this thread owns.
-template <int VEC, typename Body>
-__device__ __forceinline__ void for_each_group(int64_t rows, int64_t cols, int threads_per_row,
-                                               Body&& body) {
-  const int rows_per_block = blockDim.x / threads_per_row;
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * threads_per_row +
-                       threadIdx.x % threads_per_row) * VEC;
-  if (col >= cols) return;
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * rows_per_block;
-  for (int64_t row = static_cast<int64_t>(blockIdx.y) * rows_per_block + threadIdx.x / threads_per_row;
-       row < rows; row += row_step) {
-    body(row, col);
-  }
-}
 
 // One kernel for both directions: forward y = out; backward d gate = out, d up = dup.
 template <typename T, bool BACKWARD, bool VECTOR_IO>
@@ -128,11 +60,6 @@ __global__ void __launch_bounds__(kBlockThreads)
   });
 }
 
-template <typename T>
-bool rows_aligned16(const void* p, int64_t row_stride) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0;
-}
-
 // The 16-byte path needs every operand's rows aligned and whole groups per row.
 template <typename T>
 bool vector_io_ok(const SiluMulOperands& a, bool backward) {
@@ -148,7 +75,7 @@ gpuError_t launch(DType dtype, const SiluMulOperands& a, gpuStream_t stream) {
   if (a.rows == 0 || a.cols == 0) return kGpuSuccess;
   return dispatch_dtype<KernelTypes>(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const Coverage c = coverage_of(a.rows, ceil_div(a.cols, 16 / sizeof(T)));
+    const RowGroupCoverage c = row_group_coverage<kBlockThreads>(a.rows, ceil_div(a.cols, 16 / sizeof(T)));
     const auto kernel = vector_io_ok<T>(a, BACKWARD) ? silu_and_mul_kernel<T, BACKWARD, true>
                                                      : silu_and_mul_kernel<T, BACKWARD, false>;
     kernel<<<c.grid, kBlockThreads, 0, stream>>>(a, c.threads_per_row);

@@ -63,6 +63,21 @@ inline at::Tensor moe_weights_fp32(const std::optional<at::Tensor>& weights) {
   return weights.has_value() ? weights->to(at::kFloat).contiguous() : at::Tensor();
 }
 
+// The operands both directions share: the shapes, expert_out rows x (dense last dimension), the
+// contiguous positions and the fp32 weights w (undefined without weights).
+inline MoeCombineOperands moe_combine_operands(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& w) {
+  MoeCombineOperands a;
+  a.tokens = pos.size(0);
+  a.top_k = pos.size(1);
+  a.rows = x.size(0);
+  a.hidden = x.size(1);
+  a.expert_out = x.const_data_ptr();
+  a.expert_out_stride = row_stride(x);
+  a.positions = pos.const_data_ptr<int64_t>();
+  a.weights = w.defined() ? w.const_data_ptr<float>() : nullptr;
+  return a;
+}
+
 template <typename Backend>
 at::Tensor moe_combine_impl(const at::Tensor& expert_out, const at::Tensor& positions,
                             const std::optional<at::Tensor>& weights) {
@@ -75,15 +90,7 @@ at::Tensor moe_combine_impl(const at::Tensor& expert_out, const at::Tensor& posi
   if (out.numel() == 0) return out;
   const at::Tensor x = moe_dense_rows(expert_out);
   const at::Tensor w = moe_weights_fp32(weights);
-  MoeCombineOperands a;
-  a.tokens = tokens;
-  a.top_k = positions.size(1);
-  a.rows = expert_out.size(0);
-  a.hidden = hidden;
-  a.expert_out = x.const_data_ptr();
-  a.expert_out_stride = row_stride(x);
-  a.positions = pos.const_data_ptr<int64_t>();
-  a.weights = w.defined() ? w.const_data_ptr<float>() : nullptr;
+  MoeCombineOperands a = moe_combine_operands(x, pos, w);
   a.out = out.mutable_data_ptr();
   Backend::fwd(expert_out, a);
   return out;
@@ -111,15 +118,7 @@ std::tuple<at::Tensor, at::Tensor> moe_combine_backward_impl(const at::Tensor& g
   const at::Tensor grad_w32 = weights.has_value() && !fp32_weights
                                   ? at::empty({tokens, top_k}, grad_w.options().dtype(at::kFloat))
                                   : grad_w;
-  MoeCombineOperands a;
-  a.tokens = tokens;
-  a.top_k = top_k;
-  a.rows = rows;
-  a.hidden = hidden;
-  a.expert_out = x.const_data_ptr();
-  a.expert_out_stride = row_stride(x);
-  a.positions = pos.const_data_ptr<int64_t>();
-  a.weights = w.defined() ? w.const_data_ptr<float>() : nullptr;
+  MoeCombineOperands a = moe_combine_operands(x, pos, w);
   a.grad_out = g.const_data_ptr();
   a.grad_out_stride = row_stride(g);
   a.owner = owner.const_data_ptr<int64_t>();

@@ -65,6 +65,18 @@ inline at::Tensor moe_router_rows(const at::Tensor& logits) {
   return logits.size(1) > 1 && logits.stride(1) != 1 ? logits.contiguous() : logits;
 }
 
+// The operands both directions share: the shapes and the logits rows x (dense last dimension).
+inline MoeRouterOperands moe_router_operands(const at::Tensor& x, int64_t top_k, bool normalize) {
+  MoeRouterOperands a;
+  a.tokens = x.size(0);
+  a.experts = x.size(1);
+  a.top_k = top_k;
+  a.normalize = normalize;
+  a.logits = x.const_data_ptr();
+  a.logits_stride = row_stride(x);
+  return a;
+}
+
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> moe_router_impl(const at::Tensor& logits, int64_t top_k, bool normalize) {
   check_moe_router_args(logits, top_k);
@@ -73,13 +85,7 @@ std::tuple<at::Tensor, at::Tensor> moe_router_impl(const at::Tensor& logits, int
   at::Tensor experts = at::empty({tokens, top_k}, logits.options().dtype(at::kLong));
   if (tokens == 0) return {weights, experts};
   const at::Tensor x = moe_router_rows(logits);
-  MoeRouterOperands a;
-  a.tokens = tokens;
-  a.experts = logits.size(1);
-  a.top_k = top_k;
-  a.normalize = normalize;
-  a.logits = x.const_data_ptr();
-  a.logits_stride = row_stride(x);
+  MoeRouterOperands a = moe_router_operands(x, top_k, normalize);
   a.weights = weights.mutable_data_ptr<float>();
   a.experts_out = experts.mutable_data_ptr<int64_t>();
   Backend::fwd(logits, a);
@@ -95,13 +101,7 @@ at::Tensor moe_router_backward_impl(const at::Tensor& grad_weights, const at::Te
   const at::Tensor x = moe_router_rows(logits);
   const at::Tensor g = grad_weights.contiguous();
   const at::Tensor ids = experts.contiguous();
-  MoeRouterOperands a;
-  a.tokens = logits.size(0);
-  a.experts = logits.size(1);
-  a.top_k = experts.size(1);
-  a.normalize = normalize;
-  a.logits = x.const_data_ptr();
-  a.logits_stride = row_stride(x);
+  MoeRouterOperands a = moe_router_operands(x, experts.size(1), normalize);
   a.grad_weights = g.const_data_ptr<float>();
   a.experts_in = ids.const_data_ptr<int64_t>();
   a.grad_logits = grad_logits.mutable_data_ptr();
