@@ -122,12 +122,14 @@ def test_deepcopy_is_independent_and_reverts_on_its_own():
     assert _pins() == pins and inductor_config.emulate_precision_casts == setting
 
 
-def test_pickle_round_trip_is_independent_and_revertible(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen2_moe"])
+def test_pickle_round_trip_is_independent_and_revertible(tmp_path, model_type):
     """torch.save(patched model) then torch.load: patched on its own modules (a bound method of a
     module-level function used to pickle as getattr(module, '_embedding_forward') and fail), with
-    a handle and a pin of its own; and in a fresh process, where "rl_align" is not registered yet."""
+    a handle and a pin of its own; and in a fresh process, where "rl_align" is not registered yet.
+    The MoE models too (router, experts, Qwen2-MoE's block)."""
     pins = _pins()
-    model = _model()
+    model = _model(model_type=model_type)
     ids, mask = _prompts(model)
     handle = rl.patch(model)
     before = _logprobs(model, ids, mask)
@@ -160,10 +162,12 @@ def test_pickle_round_trip_is_independent_and_revertible(tmp_path):
     assert run.returncode == 0 and "fresh process OK" in run.stdout, run.stderr[-3000:]
 
 
-def test_patched_forwards_close_over_nothing():
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen2_moe"])
+def test_patched_forwards_close_over_nothing(model_type):
     """Every patched forward is functools.partial(<module-level function without a closure>,
-    module): nothing refers to another module, so no copy can reach back into the original."""
-    model = _model()
+    module): nothing refers to another module, so no copy can reach back into the original (the
+    MoE models' router, experts and Qwen2-MoE block forwards too)."""
+    model = _model(model_type=model_type)
     rl.patch(model)
     for m in (model, copy.deepcopy(model)):
         patched = 0
