@@ -106,11 +106,11 @@ inline std::vector<int64_t> host_group_offsets(const at::Tensor& offsets, int64_
 }
 
 // The device-read fields of a grouped problem.
-inline void set_groups(GemmProblem& p, GroupMode mode, const at::Tensor& offsets) {
+inline void set_groups(GemmProblem& p, GroupMode mode, Lvalue<at::Tensor> offsets) {
   p.group_mode = mode;
-  p.groups = offsets.size(0) - 1;
-  p.group_offsets = offsets.const_data_ptr();
-  p.group_offsets_int64 = offsets.scalar_type() == at::kLong;
+  p.groups = offsets->size(0) - 1;
+  p.group_offsets = offsets->const_data_ptr();
+  p.group_offsets_int64 = offsets->scalar_type() == at::kLong;
 }
 
 // out [rows, n] (allocated) = per expert: rows of `a` ([rows, k]) times expert e's slice of

@@ -65,16 +65,16 @@ inline at::Tensor moe_weights_fp32(const std::optional<at::Tensor>& weights) {
 
 // The operands both directions share: the shapes, expert_out rows x (dense last dimension), the
 // contiguous positions and the fp32 weights w (undefined without weights).
-inline MoeCombineOperands moe_combine_operands(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& w) {
+inline MoeCombineOperands moe_combine_operands(Lvalue<at::Tensor> x, Lvalue<at::Tensor> pos, Lvalue<at::Tensor> w) {
   MoeCombineOperands a;
-  a.tokens = pos.size(0);
-  a.top_k = pos.size(1);
-  a.rows = x.size(0);
-  a.hidden = x.size(1);
-  a.expert_out = x.const_data_ptr();
-  a.expert_out_stride = row_stride(x);
-  a.positions = pos.const_data_ptr<int64_t>();
-  a.weights = w.defined() ? w.const_data_ptr<float>() : nullptr;
+  a.tokens = pos->size(0);
+  a.top_k = pos->size(1);
+  a.rows = x->size(0);
+  a.hidden = x->size(1);
+  a.expert_out = x->const_data_ptr();
+  a.expert_out_stride = row_stride(*x);
+  a.positions = pos->const_data_ptr<int64_t>();
+  a.weights = w->defined() ? w->const_data_ptr<float>() : nullptr;
   return a;
 }
 

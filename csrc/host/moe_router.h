@@ -66,14 +66,14 @@ inline at::Tensor moe_router_rows(const at::Tensor& logits) {
 }
 
 // The operands both directions share: the shapes and the logits rows x (dense last dimension).
-inline MoeRouterOperands moe_router_operands(const at::Tensor& x, int64_t top_k, bool normalize) {
+inline MoeRouterOperands moe_router_operands(Lvalue<at::Tensor> x, int64_t top_k, bool normalize) {
   MoeRouterOperands a;
-  a.tokens = x.size(0);
-  a.experts = x.size(1);
+  a.tokens = x->size(0);
+  a.experts = x->size(1);
   a.top_k = top_k;
   a.normalize = normalize;
-  a.logits = x.const_data_ptr();
-  a.logits_stride = row_stride(x);
+  a.logits = x->const_data_ptr();
+  a.logits_stride = row_stride(*x);
   return a;
 }
 
