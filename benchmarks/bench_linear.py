@@ -2,6 +2,7 @@
 
     python benchmarks/bench_linear.py [--device cuda|cpu] [--out benchmarks/results] [--quick]
                                       [--shapes qkv,o] [--ms 1,4096] [--modes fwd,dgrad,wgrad]
+                                      [--configs auto,decode48,wide]
 
 Modes, for x [M, K], weight [N, K], dy [M, N]:
   fwd    y  = x @ W^T      ours: rl_engine_ext.linear             cuBLAS: x @ w.t()
@@ -21,6 +22,9 @@ every shape and M=1 weight streaming >= 0.70 of copy; dgrad and wgrad M=4096 geo
 The run prints a summary table and PASS/MISS per target (never asserts). A point (shape, M, mode)
 that raises torch.cuda.OutOfMemoryError is skipped with a printed note and writes no rows.
 --quick: shapes tiny_a 96x64, tiny_b 160x128, M in {1, 64}, all modes (CPU smoke test).
+--configs: time ours once per sm90 tile configuration (RL_ENGINE_EXT_SM90_GEMM_CONFIG; "auto" is the
+default choice), each A-B-B-A against cuBLAS; rows of a forced one are provider
+"rl_engine_ext:<name>", and a configuration that cannot take the layout is reported and skipped.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 QUICK_SHAPES = {"tiny_a": (96, 64), "tiny_b": (160, 128)}
 MS = [1, 16, 64, 512, 4096, 16384]
 MODES = ["fwd", "dgrad", "wgrad"]
+CONFIG_ENV = "RL_ENGINE_EXT_SM90_GEMM_CONFIG"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -95,6 +100,7 @@ def main() -> int:
     parser.add_argument("--ms", default=None, help="comma list of M values")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--dtypes", default="bf16")
+    parser.add_argument("--configs", default="auto", help="comma list of sm90 tile configurations")
     args = parser.parse_args()
     device = args.device
     table = QUICK_SHAPES if args.quick else SHAPES
@@ -107,6 +113,7 @@ def main() -> int:
         if unknown:
             parser.error(f"unknown {label} {','.join(unknown)} (choose from {','.join(allowed)})")
     shapes = {k: known[k] for k in args.shapes.split(",")} if args.shapes else table
+    configs = args.configs.split(",")
     rep_ms = 10 if args.quick else 100
 
     peak = measure_matmul_peak(device)
@@ -133,8 +140,10 @@ def main() -> int:
                 shape = shape_name(m, n, k)
                 flops = 2 * m * n * k
                 weight_bytes = n * k * w.element_size()
-                for mode in modes:
+                for mode, config in ((mode, config) for mode in modes for config in configs):
                     fns = providers(mode, x, w, dy)
+                    provider = "rl_engine_ext" if config == "auto" else f"rl_engine_ext:{config}"
+                    os.environ[CONFIG_ENV] = config
                     try:
                         pair = bench_abba(fns["rl_engine_ext"], fns["cublas"], device=device, rep_ms=rep_ms)
                     except torch.cuda.OutOfMemoryError:  # a point writes rows only when both providers ran
@@ -142,6 +151,13 @@ def main() -> int:
                         if device == "cuda":
                             torch.cuda.empty_cache()
                         continue
+                    except RuntimeError as exc:  # a forced configuration that cannot take this layout
+                        if config == "auto":
+                            raise
+                        print(f"# skipped {mode} {dtype_name} {name} M={m} config {config}: {exc}".split("\n")[0])
+                        continue
+                    finally:
+                        os.environ.pop(CONFIG_ENV)
 
                     def per_side(t, flops=flops, weight_bytes=weight_bytes, m=m):
                         rows = [("TFLOPs", flops / (t.median_us * 1e-6) / 1e12, "TFLOP/s")]
@@ -151,12 +167,14 @@ def main() -> int:
                         return rows
 
                     out.add_pair("linear", shape, dtype_name, mode, pair, reference="cublas",
-                                 ratio_metric="ratio_vs_cublas", per_side=per_side)
+                                 ratio_metric="ratio_vs_cublas", per_side=per_side, ours=provider)
                     ours, theirs = pair.ours.median_us, pair.reference.median_us
                     frac = weight_bytes / (ours * 1e-6) / copy_bw
-                    summary.append((mode, dtype_name, name, m, n, k, ours, theirs, pair.ratio,
-                                    frac if m <= 64 else float("nan"), pair.pairs))
-                    print(f"{mode:>5} {dtype_name} {name:>8} M={m:<6} ours {ours:10.1f} us  cuBLAS {theirs:10.1f} us  "
+                    if config == "auto":
+                        summary.append((mode, dtype_name, name, m, n, k, ours, theirs, pair.ratio,
+                                        frac if m <= 64 else float("nan"), pair.pairs))
+                    print(f"{mode:>5} {dtype_name} {name:>8} M={m:<6} {config:>12} ours {ours:10.1f} us  "
+                          f"cuBLAS {theirs:10.1f} us  "
                           f"ratio {pair.ratio:.3f} (pairs {pair.pairs})"
                           + (f"  weight stream {frac:.2f} of copy" if m <= 64 else ""), flush=True)
                 x = dy = None

@@ -198,6 +198,54 @@ def test_each_gpu_path(monkeypatch, path, dtype_):
                            f"grad_x[{path}]")
 
 
+# The sm90 tile configurations (csrc/cuda/linear_kernels.h), forced through
+# RL_ENGINE_EXT_SM90_GEMM_CONFIG. An MN-major B (grad input, grad weight) is loaded in whole 64-column
+# swizzle rows, so the 32/48-column tiles and the 96-column multicast slices cannot take it.
+SM90_CONFIGS = ["decode32", "decode48", "decode64", "medium", "medium_pair", "wide", "wide_pair", "large",
+                "large_single"]
+SM90_CONFIGS_K_MAJOR_B_ONLY = {"decode32", "decode48", "wide_pair"}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", SM90_CONFIGS)
+def test_every_sm90_config_gives_the_same_bits(monkeypatch, config):
+    """Each forced tile configuration gives the automatic choice's bits for y, grad_x and dW (fresh
+    and chained from an accumulator): the tiles are speed only. Shapes: partial row and column tiles,
+    K tails, decode rows and rows beyond every configuration's switch."""
+    if "sm90" not in _gpu_paths():
+        pytest.skip("sm90 cannot run on this device")
+    device, dtype_ = "cuda", torch.bfloat16
+    for m, n, k in ((1, 1000, 4095), (17, 6144, 512), (100, 257, 136), (513, 4096, 1024), (1100, 392, 264)):
+        w, b = _weights(n, k, dtype_, device, bias=True)
+        x = randn(m, k, dtype=dtype_, device=device, seed=5)
+        dy = randn(m, n, dtype=dtype_, device=device, seed=6)
+        accum = randn(n, k, dtype=torch.float32, device=device, seed=7)
+        runs = {"y": lambda: rl_engine_ext.linear(x, w, b),
+                "grad_x": lambda: rl_engine_ext.linear_grad_input(dy, w),
+                "dW": lambda: rl_engine_ext.linear_grad_weight(dy, x),
+                "dW chained": lambda: rl_engine_ext.linear_grad_weight(dy, x, accum)}
+        monkeypatch.delenv("RL_ENGINE_EXT_SM90_GEMM_CONFIG", raising=False)
+        want = {what: run() for what, run in runs.items()}
+        monkeypatch.setenv("RL_ENGINE_EXT_SM90_GEMM_CONFIG", config)
+        for what, run in runs.items():
+            if what != "y" and config in SM90_CONFIGS_K_MAJOR_B_ONLY:
+                with pytest.raises(RuntimeError, match="RL_ENGINE_EXT_SM90_GEMM_CONFIG"):
+                    run()
+                continue
+            drift = testing.compare(what, f"{config} {m}x{n}x{k}", run(), want[what])
+            assert drift is None, str(drift)
+
+
+@pytest.mark.cuda
+def test_forcing_an_unknown_sm90_config_is_an_error(monkeypatch):
+    monkeypatch.setenv("RL_ENGINE_EXT_SM90_GEMM_CONFIG", "huge")
+    w, _ = _weights(8, 8, torch.bfloat16, "cuda")
+    if "sm90" not in _gpu_paths():
+        pytest.skip("sm90 cannot run on this device")
+    with pytest.raises(ValueError, match="RL_ENGINE_EXT_SM90_GEMM_CONFIG"):
+        rl_engine_ext.linear(torch.ones(2, 8, device="cuda", dtype=torch.bfloat16), w)
+
+
 @pytest.mark.cuda
 def test_auto_path_is_the_tensor_core_kernel():
     """bf16 on a Hopper GPU runs the wgmma kernel (sm80's mma.sync elsewhere), not the FMA tiles."""

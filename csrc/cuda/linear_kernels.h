@@ -29,7 +29,27 @@ bool gemm_sm90_compiled_for(int device);
 // Entry points are named <op>_<fwd|bwd>_<path>, except the shared GEMM linear_gemm_<path>: one
 // GemmProblem GEMM serves the forward (linear) and both gradients (linear_grad_input,
 // linear_grad_weight), which differ only in operand layouts and output type (host/linear.h).
-gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream);
+// The sm90 GEMM's tile configurations (linear/sm90.cu says what each is). kAuto picks one from
+// the problem's shape; RL_ENGINE_EXT_SM90_GEMM_CONFIG=<name> forces one for the plain chain (tests
+// prove every configuration gives the same bits; benchmarks compare their speed). A configuration
+// that cannot take a problem's layout is an error (cudaErrorNotSupported), never replaced.
+enum class Sm90GemmConfig : int {
+  kAuto = -1,
+  kDecode32,
+  kDecode48,
+  kDecode64,
+  kMedium,
+  kMediumPair,
+  kWide,
+  kWidePair,
+  kLarge,
+  kLargeSingle,
+};
+inline constexpr const char* kSm90GemmConfigNames[] = {"decode32", "decode48",    "decode64",
+                                                       "medium",   "medium_pair", "wide",
+                                                       "wide_pair", "large",      "large_single"};
+gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream,
+                            Sm90GemmConfig config = Sm90GemmConfig::kAuto);
 // Whether the sm90 GEMM folds a tree of `leaves` leaves over k in one launch (p.tree_leaves):
 // 2, 4 or 8 leaves of whole 64-deep k-blocks. Otherwise linear_tree runs one GEMM per leaf.
 bool linear_gemm_sm90_tree_supported(int64_t k, int64_t leaves);

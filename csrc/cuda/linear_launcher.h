@@ -47,6 +47,14 @@ inline GemmPath choose_gemm_path(const char* op, at::ScalarType dtype, int devic
   return GemmPath::kSimt;
 }
 
+// RL_ENGINE_EXT_SM90_GEMM_CONFIG=<name> (kSm90GemmConfigNames) forces the sm90 tile configuration
+// of the plain GEMMs; one that cannot take a problem's layout fails the launch.
+inline Sm90GemmConfig forced_sm90_config(const char* op) {
+  constexpr int kCount = static_cast<int>(sizeof(kSm90GemmConfigNames) / sizeof(kSm90GemmConfigNames[0]));
+  return static_cast<Sm90GemmConfig>(
+      forced_choice_index(op, "RL_ENGINE_EXT_SM90_GEMM_CONFIG", kSm90GemmConfigNames, kCount));
+}
+
 struct LinearCudaBackend {
   static bool needs_aligned_operands(const char* op, at::ScalarType dtype, const at::Tensor& t) {
     return choose_gemm_path(op, dtype, t.get_device()) != GemmPath::kSimt;
@@ -58,12 +66,15 @@ struct LinearCudaBackend {
     note_gpu_kernel("linear_gemm", gemm_path_name(path));
     gpuError_t err;
     switch (path) {
-      case GemmPath::kSm90: err = linear_gemm_sm90(kernel_dtype(dtype), p, stream); break;
+      case GemmPath::kSm90: err = linear_gemm_sm90(kernel_dtype(dtype), p, stream, forced_sm90_config(op)); break;
       case GemmPath::kSm80: err = linear_gemm_sm80(kernel_dtype(dtype), p, stream); break;
       default: err = linear_gemm_simt(kernel_dtype(dtype), p, stream); break;
     }
-    TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", gemm_path_name(path),
-                " GEMM launch failed: ", gpu_error_string(err));
+    TORCH_CHECK(err == kGpuSuccess, "rl_align::", op, ": ", gemm_path_name(path), " GEMM launch failed: ",
+                gpu_error_string(err),
+                path == GemmPath::kSm90 && forced_sm90_config(op) != Sm90GemmConfig::kAuto
+                    ? " (RL_ENGINE_EXT_SM90_GEMM_CONFIG forces a tile configuration this layout cannot take)"
+                    : "");
   }
   static void bias_grad(at::ScalarType dtype, const at::Tensor& dy, const float* accum, float* dbias) {
     const c10::cuda::CUDAGuard guard(dy.device());

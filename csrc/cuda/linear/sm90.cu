@@ -55,17 +55,28 @@ struct Sm90Config {
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + kSwizzleAtomBytes;
   // Tree mode's slot 2: one fp32 accumulator tile, after the ring and the barriers.
   static constexpr int TREE_SLOT_BYTES = BM * BN * 4;
-  static_assert(BM % 64 == 0 && BN % 32 == 0 && BN <= 256, "wgmma tile");
-  static_assert(CLUSTER == 1 || (BN / CLUSTER) % 64 == 0, "multicast slices are whole swizzle rows");
+  static_assert(BM % 64 == 0 && BN % 16 == 0 && BN <= 256, "wgmma tile (the epilogue stores 16-column pairs)");
+  static_assert((BN / CLUSTER) % 8 == 0, "multicast slices are whole swizzle atoms (8 rows of 128 bytes)");
 };
 
+// An MN-major B is loaded in whole 64-column swizzle rows, per multicast slice too.
+template <typename Cfg, bool B_MN>
+constexpr bool config_takes_layout() {
+  return !B_MN || (Cfg::BN / Cfg::CLUSTER) % 64 == 0;
+}
+
 // Decode (m <= 64): narrow column tiles so that enough CTAs stream the weight, and a deep ring so
-// that enough of it is in flight; the K-major weight allows 32 columns, an MN-major one needs a
-// whole 64-column swizzle row.
+// that enough of it is in flight; the K-major weight allows 32 or 48 columns, an MN-major one needs
+// a whole 64-column swizzle row.
 using DecodeConfig = Sm90Config<64, 32, 16>;
+using Decode48Config = Sm90Config<64, 48, 16>;
 using DecodeMnConfig = Sm90Config<64, 64, 8>;
 using MediumConfig = Sm90Config<128, 128, 6>;
+using MediumPairConfig = Sm90Config<128, 128, 6, 2>;
+using WideConfig = Sm90Config<128, 192, 5>;
+using WidePairConfig = Sm90Config<128, 192, 5, 2>;
 using LargeConfig = Sm90Config<128, 256, 4, 2>;
+using LargeSingleConfig = Sm90Config<128, 256, 4>;
 // Tree mode above decode size: three 64-column-pair register sets per thread (acc, even leaf,
 // slot 1) fit at BN = 128, not 256; five stages leave room for the slot-2 tile; pairs of row tiles
 // share B (multicast), as LargeConfig's.
@@ -621,19 +632,45 @@ gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename Cfg>
+struct ConfigTag {
+  using type = Cfg;
+};
+
+// The configuration kAuto takes for a plain chain of shape (m, n).
+template <bool B_MN>
+Sm90GemmConfig choose_config(const GemmProblem& p) {
+  if (p.m <= 64) return B_MN ? Sm90GemmConfig::kDecode64 : Sm90GemmConfig::kDecode32;
+  const int64_t large_tiles = ceil_div(p.m, LargeConfig::BM) * ceil_div(p.n, LargeConfig::BN);
+  return large_tiles < multiprocessor_count(current_device()) ? Sm90GemmConfig::kMedium : Sm90GemmConfig::kLarge;
+}
+
 template <typename T, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE = false>
-gpuError_t dispatch_config(DType dtype, const GemmProblem& p, gpuStream_t stream) {
-  if (p.m <= 64) {
-    using Cfg = typename std::conditional<B_MN, DecodeMnConfig, DecodeConfig>::type;
-    return launch_sm90<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
-  }
-  if constexpr (TREE) {
-    return launch_sm90<T, TreeConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
+gpuError_t dispatch_config(DType dtype, const GemmProblem& p, Sm90GemmConfig forced, gpuStream_t stream) {
+  auto launch = [&](auto tag) -> gpuError_t {
+    using Cfg = typename decltype(tag)::type;
+    if constexpr (config_takes_layout<Cfg, B_MN>()) {
+      return launch_sm90<T, Cfg, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
+    } else {
+      return cudaErrorNotSupported;
+    }
+  };
+  if constexpr (TREE) {  // its own tiles (three register sets), forced or not
+    if (p.m <= 64) return launch(ConfigTag<typename std::conditional<B_MN, DecodeMnConfig, DecodeConfig>::type>{});
+    return launch(ConfigTag<TreeConfig>{});
   } else {
-    const int64_t large_tiles = ceil_div(p.m, LargeConfig::BM) * ceil_div(p.n, LargeConfig::BN);
-    if (large_tiles < multiprocessor_count(current_device()))
-      return launch_sm90<T, MediumConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
-    return launch_sm90<T, LargeConfig, A_MN, B_MN, C_FP32, HAS_ACCUM, TREE>(dtype, p, stream);
+    switch (forced == Sm90GemmConfig::kAuto ? choose_config<B_MN>(p) : forced) {
+      case Sm90GemmConfig::kDecode32: return launch(ConfigTag<DecodeConfig>{});
+      case Sm90GemmConfig::kDecode48: return launch(ConfigTag<Decode48Config>{});
+      case Sm90GemmConfig::kDecode64: return launch(ConfigTag<DecodeMnConfig>{});
+      case Sm90GemmConfig::kMedium: return launch(ConfigTag<MediumConfig>{});
+      case Sm90GemmConfig::kMediumPair: return launch(ConfigTag<MediumPairConfig>{});
+      case Sm90GemmConfig::kWide: return launch(ConfigTag<WideConfig>{});
+      case Sm90GemmConfig::kWidePair: return launch(ConfigTag<WidePairConfig>{});
+      case Sm90GemmConfig::kLarge: return launch(ConfigTag<LargeConfig>{});
+      case Sm90GemmConfig::kLargeSingle: return launch(ConfigTag<LargeSingleConfig>{});
+      default: return cudaErrorInvalidValue;
+    }
   }
 }
 
@@ -663,7 +700,7 @@ gpuError_t dispatch_grouped(DType dtype, const GemmProblem& p, gpuStream_t strea
 // continued from an accumulator (linear_logprob's vocabulary slices); grad weight as fp32
 // (chained) or in the input dtype (linear_logprob's weight gradient for autograd).
 template <typename T>
-gpuError_t dispatch_layout(DType dtype, const GemmProblem& p, gpuStream_t stream) {
+gpuError_t dispatch_layout(DType dtype, const GemmProblem& p, Sm90GemmConfig config, gpuStream_t stream) {
   const bool accum = p.c_accum != nullptr;
   if (accum && !p.c_fp32) return cudaErrorNotSupported;
   if (p.group_mode != GroupMode::kNone) {  // grouped_linear
@@ -684,29 +721,29 @@ gpuError_t dispatch_layout(DType dtype, const GemmProblem& p, gpuStream_t stream
       return cudaErrorNotSupported;
     if (p.b_mn_major) {
       if (p.bias != nullptr) return cudaErrorNotSupported;
-      if (p.c_fp32) return dispatch_config<T, false, true, true, false, true>(dtype, p, stream);
-      return dispatch_config<T, false, true, false, false, true>(dtype, p, stream);
+      if (p.c_fp32) return dispatch_config<T, false, true, true, false, true>(dtype, p, config, stream);
+      return dispatch_config<T, false, true, false, false, true>(dtype, p, config, stream);
     }
     if (p.c_fp32) {
       if (p.bias != nullptr) return cudaErrorNotSupported;
-      return dispatch_config<T, false, false, true, false, true>(dtype, p, stream);
+      return dispatch_config<T, false, false, true, false, true>(dtype, p, config, stream);
     }
-    return dispatch_config<T, false, false, false, false, true>(dtype, p, stream);
+    return dispatch_config<T, false, false, false, false, true>(dtype, p, config, stream);
   }
   if (!p.a_mn_major && !p.b_mn_major && !p.c_fp32)
-    return dispatch_config<T, false, false, false, false>(dtype, p, stream);  // forward
+    return dispatch_config<T, false, false, false, false>(dtype, p, config, stream);  // forward
   if (!p.a_mn_major && !p.b_mn_major && !accum && p.bias == nullptr)  // a tree-mode leaf (linear_tree)
-    return dispatch_config<T, false, false, true, false>(dtype, p, stream);
+    return dispatch_config<T, false, false, true, false>(dtype, p, config, stream);
   if (p.bias != nullptr) return cudaErrorNotSupported;
   if (!p.a_mn_major && p.b_mn_major) {  // grad input
-    if (!p.c_fp32) return dispatch_config<T, false, true, false, false>(dtype, p, stream);
-    if (accum) return dispatch_config<T, false, true, true, true>(dtype, p, stream);
-    return dispatch_config<T, false, true, true, false>(dtype, p, stream);
+    if (!p.c_fp32) return dispatch_config<T, false, true, false, false>(dtype, p, config, stream);
+    if (accum) return dispatch_config<T, false, true, true, true>(dtype, p, config, stream);
+    return dispatch_config<T, false, true, true, false>(dtype, p, config, stream);
   }
   if (p.a_mn_major && p.b_mn_major) {  // grad weight
-    if (!p.c_fp32) return dispatch_config<T, true, true, false, false>(dtype, p, stream);
-    if (accum) return dispatch_config<T, true, true, true, true>(dtype, p, stream);
-    return dispatch_config<T, true, true, true, false>(dtype, p, stream);
+    if (!p.c_fp32) return dispatch_config<T, true, true, false, false>(dtype, p, config, stream);
+    if (accum) return dispatch_config<T, true, true, true, true>(dtype, p, config, stream);
+    return dispatch_config<T, true, true, true, false>(dtype, p, config, stream);
   }
   return cudaErrorNotSupported;
 }
@@ -731,11 +768,11 @@ bool gemm_sm90_compiled_for(int device) {
   return major == 9 && minor == 0 && attr.binaryVersion == 90 && tensor_map_encoder() != nullptr;
 }
 
-gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
+gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream, Sm90GemmConfig config) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return cudaErrorInvalidValue;
   if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX) return cudaErrorInvalidValue;
   return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
-      dtype, [&](auto tag) { return dispatch_layout<decltype(tag)>(dtype, p, stream); },
+      dtype, [&](auto tag) { return dispatch_layout<decltype(tag)>(dtype, p, config, stream); },
       gpu_not_supported);
 }
 
@@ -746,7 +783,7 @@ gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t strea
 namespace rl_align {
 bool gemm_sm90_compiled_for(int) { return false; }
 bool linear_gemm_sm90_tree_supported(int64_t, int64_t) { return false; }
-gpuError_t linear_gemm_sm90(DType, const GemmProblem&, gpuStream_t) {
+gpuError_t linear_gemm_sm90(DType, const GemmProblem&, gpuStream_t, Sm90GemmConfig) {
   return hipErrorNotSupported;
 }
 }  // namespace rl_align
