@@ -637,12 +637,48 @@ struct ConfigTag {
   using type = Cfg;
 };
 
-// The configuration kAuto takes for a plain chain of shape (m, n).
+// Tiles of BN columns, taking whole waves of `slots` units of `rows` row tiles each.
+inline int64_t waves(int64_t m, int64_t n, int bm, int bn, int rows, int64_t slots) {
+  return ceil_div(ceil_div(ceil_div(m, bm), rows) * ceil_div(n, bn), slots);
+}
+
+// The configuration kAuto takes for a plain chain of shape (m, n), from the time it would take:
+// whole waves of the persistent grid times the tile's width, over the tile's relative speed. The
+// H100 measurements behind it (benchmarks/results/h100.md, "GEMM tiles"): the weight-streaming
+// decode tiles go 48 wide where that saves a wave; above decode size a pair of row tiles sharing B
+// (multicast) beats a lone tile by up to 1.25x (the rows of B are read from L2 half as often), and a
+// 192- or 256-column tile does ~5% / ~8% more per column than a 128-column one.
 template <bool B_MN>
 Sm90GemmConfig choose_config(const GemmProblem& p) {
-  if (p.m <= 64) return B_MN ? Sm90GemmConfig::kDecode64 : Sm90GemmConfig::kDecode32;
-  const int64_t large_tiles = ceil_div(p.m, LargeConfig::BM) * ceil_div(p.n, LargeConfig::BN);
-  return large_tiles < multiprocessor_count(current_device()) ? Sm90GemmConfig::kMedium : Sm90GemmConfig::kLarge;
+  const int64_t sms = multiprocessor_count(current_device());
+  if (p.m <= 64) {
+    if (B_MN) return Sm90GemmConfig::kDecode64;
+    return waves(p.m, p.n, 64, 48, 1, sms) * 48 <= waves(p.m, p.n, 64, 32, 1, sms) * 32 ? Sm90GemmConfig::kDecode48
+                                                                                          : Sm90GemmConfig::kDecode32;
+  }
+  if (p.m <= 128) {  // one row tile: nothing to share B with
+    return ceil_div(p.n, LargeConfig::BN) < sms ? Sm90GemmConfig::kMedium : Sm90GemmConfig::kLarge;
+  }
+  const int64_t pairs = sms / 2;
+  struct Candidate {
+    Sm90GemmConfig config;
+    int bn;
+    double speed;
+  };
+  const Candidate candidates[] = {{Sm90GemmConfig::kMediumPair, 128, 1.0},
+                                  {Sm90GemmConfig::kWidePair, 192, 1.05},
+                                  {Sm90GemmConfig::kLarge, 256, 1.08}};
+  Sm90GemmConfig best = Sm90GemmConfig::kLarge;
+  double best_time = 0.0;
+  for (const Candidate& c : candidates) {
+    if (B_MN && c.config == Sm90GemmConfig::kWidePair) continue;  // 96-column slices: K-major B only
+    const double time = static_cast<double>(waves(p.m, p.n, 128, c.bn, 2, pairs) * c.bn) / c.speed;
+    if (best_time == 0.0 || time < best_time) {
+      best = c.config;
+      best_time = time;
+    }
+  }
+  return best;
 }
 
 template <typename T, bool A_MN, bool B_MN, bool C_FP32, bool HAS_ACCUM, bool TREE = false>
