@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-N_SIZES = (32, 48, 64, 96, 128, 192, 256)
+N_SIZES = (32, 48, 64, 128, 192, 256)
 RS_N_SIZES = (64, 128)  # attention's head dims
 TYPES = {"bfloat16_t": "bf16", "half_t": "f16"}
 HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "primitives", "wgmma_instructions.h")

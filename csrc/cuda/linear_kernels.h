@@ -40,14 +40,11 @@ enum class Sm90GemmConfig : int {
   kDecode64,
   kMedium,
   kMediumPair,
-  kWide,
   kWidePair,
   kLarge,
-  kLargeSingle,
 };
-inline constexpr const char* kSm90GemmConfigNames[] = {"decode32", "decode48",    "decode64",
-                                                       "medium",   "medium_pair", "wide",
-                                                       "wide_pair", "large",      "large_single"};
+inline constexpr const char* kSm90GemmConfigNames[] = {"decode32",    "decode48",  "decode64", "medium",
+                                                       "medium_pair", "wide_pair", "large"};
 gpuError_t linear_gemm_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream,
                             Sm90GemmConfig config = Sm90GemmConfig::kAuto);
 // Whether the sm90 GEMM folds a tree of `leaves` leaves over k in one launch (p.tree_leaves):

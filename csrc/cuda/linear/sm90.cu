@@ -73,10 +73,8 @@ using Decode48Config = Sm90Config<64, 48, 16>;
 using DecodeMnConfig = Sm90Config<64, 64, 8>;
 using MediumConfig = Sm90Config<128, 128, 6>;
 using MediumPairConfig = Sm90Config<128, 128, 6, 2>;
-using WideConfig = Sm90Config<128, 192, 5>;
 using WidePairConfig = Sm90Config<128, 192, 5, 2>;
 using LargeConfig = Sm90Config<128, 256, 4, 2>;
-using LargeSingleConfig = Sm90Config<128, 256, 4>;
 // Tree mode above decode size: three 64-column-pair register sets per thread (acc, even leaf,
 // slot 1) fit at BN = 128, not 256; five stages leave room for the slot-2 tile; pairs of row tiles
 // share B (multicast), as LargeConfig's.
@@ -671,7 +669,7 @@ Sm90GemmConfig choose_config(const GemmProblem& p) {
   Sm90GemmConfig best = Sm90GemmConfig::kLarge;
   double best_time = 0.0;
   for (const Candidate& c : candidates) {
-    if (B_MN && c.config == Sm90GemmConfig::kWidePair) continue;  // 96-column slices: K-major B only
+    if (c.config == Sm90GemmConfig::kWidePair && !config_takes_layout<WidePairConfig, B_MN>()) continue;
     const double time = static_cast<double>(waves(p.m, p.n, 128, c.bn, 2, pairs) * c.bn) / c.speed;
     if (best_time == 0.0 || time < best_time) {
       best = c.config;
@@ -701,10 +699,8 @@ gpuError_t dispatch_config(DType dtype, const GemmProblem& p, Sm90GemmConfig for
       case Sm90GemmConfig::kDecode64: return launch(ConfigTag<DecodeMnConfig>{});
       case Sm90GemmConfig::kMedium: return launch(ConfigTag<MediumConfig>{});
       case Sm90GemmConfig::kMediumPair: return launch(ConfigTag<MediumPairConfig>{});
-      case Sm90GemmConfig::kWide: return launch(ConfigTag<WideConfig>{});
       case Sm90GemmConfig::kWidePair: return launch(ConfigTag<WidePairConfig>{});
       case Sm90GemmConfig::kLarge: return launch(ConfigTag<LargeConfig>{});
-      case Sm90GemmConfig::kLargeSingle: return launch(ConfigTag<LargeSingleConfig>{});
       default: return cudaErrorInvalidValue;
     }
   }
