@@ -12,11 +12,15 @@ fwd+bwd (d hidden, d weight); references "naive" = the torch path on our GEMM
 (log_softmax(rl_engine_ext.linear(h, W).float()).gather), "liger" = Liger's fused linear
 cross-entropy (reduction "sum", the same work) when importable; at T <= 64 also the forward alone
 (decode: what a sampler runs) against "unfused" = rl_engine_ext.logprob(rl_engine_ext.linear(h, W)).
+The fused-gradient mode (linear_logprob(..., grad_logprob=ones): the cotangent declared, gradients
+taken in the forward, 3 GEMMs instead of 4) against "naive" and "today" (linear_logprob without the
+declaration), at the default chunk and at 4x the chunk (fused_chunk4x).
 Extra memory = peak allocated during one fwd+bwd minus what was allocated before it.
 Every pair is timed A-B-B-A in one run (common.bench_abba).
 Targets (H100, bf16): logprob fwd at 2048 x 151936 >= 0.80 of the limit, fwd+bwd >= 0.70;
 linear_logprob fwd+bwd at T = 4096 and 16384: time <= 1.10 x naive, extra memory <= 1/8 of
-naive's, faster than Liger; T = 1..64 forward: no slower than linear + logprob.
+naive's, faster than Liger; T = 1..64 forward: no slower than linear + logprob; fused-gradient mode
+at T = 4096 and 16384: >= 1.0x naive's speed, its extra memory beside today's reported.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from benchmarks.common import (  # noqa: E402
 )
 
 VOCAB, WIDTH, TEMPERATURE = 151936, 4096, 1.0
+CHUNK_TOKENS_ENV = "RL_ENGINE_EXT_LINEAR_LOGPROB_CHUNK_TOKENS"
 
 
 def torch_logprob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -68,6 +73,21 @@ def fwd_bwd(fn, leaves, cotangent=None):
         out.backward(cotangent if cotangent is not None and out.dim() else None)
 
     return step
+
+
+def with_chunk_tokens(chunk_tokens, step):
+    """step with linear_logprob's token chunk forced to chunk_tokens (None: the default rule)."""
+    if chunk_tokens is None:
+        return step
+
+    def forced():
+        os.environ[CHUNK_TOKENS_ENV] = str(chunk_tokens)
+        try:
+            step()
+        finally:
+            del os.environ[CHUNK_TOKENS_ENV]
+
+    return forced
 
 
 def extra_memory(step, device: str) -> tuple[float, float]:
@@ -179,6 +199,39 @@ def main() -> int:
             if tokens >= 4096 and name == "liger":
                 targets_lines.append(f"linear_logprob {shape}: vs Liger FLCE {pair.ratio:.2f}x (> 1 {verdict(pair.ratio > 1)}; "
                                      f"pairs {pair.pairs}); Liger extra memory {mem_ref / 1e9:.2f} GB")
+        # The fused-gradient mode: the cotangent (here the sum's ones) declared at forward time, so
+        # the gradients come from the forward's 3 GEMMs a chunk; against naive and today's call, and
+        # with 4x the chunk (the d weight fp32 sum is read and written once a chunk: fewer chunks,
+        # less traffic, 4x the chunk's logits memory).
+        ones = torch.ones(tokens, device=device)
+        chunk = rl_engine_ext.linear_logprob_chunk_tokens(vocab)
+        for variant, chunk_tokens in (("fused", None), ("fused_chunk4x", 4 * chunk)):
+            fused = with_chunk_tokens(chunk_tokens, fwd_bwd(
+                lambda h, w: rl_engine_ext.linear_logprob(h, w, targets, grad_logprob=ones).sum(), [h, w]))
+            mem_fused, held_fused = extra_memory(fused, device)
+            op = f"linear_logprob_{variant}"
+            out.add(op, "rl_engine_ext", shape, "bf16", "fwd+bwd", "extra_memory_GB", mem_fused / 1e9, unit="GB")
+            out.add(op, "rl_engine_ext", shape, "bf16", "fwd+bwd", "grads_held_GB", held_fused / 1e9, unit="GB")
+            for name, ref in (("naive", refs["naive"]), ("today", ours)):
+                try:
+                    pair = bench_abba(fused, ref, device=device, rep_ms=rep_ms)
+                except torch.OutOfMemoryError as exc:
+                    print(f"# {variant} vs {name} at {shape}: out of memory ({str(exc).splitlines()[0]})")
+                    torch.cuda.empty_cache()
+                    continue
+                out.add_pair(op, shape, "bf16", "fwd+bwd", pair, reference=name, ratio_metric=f"ratio_vs_{name}")
+                table.append((variant, shape, "fwd+bwd", name, pair.ours.median_us, pair.reference.median_us,
+                              pair.ratio, pair.pairs, float("nan"), float("nan"),
+                              mem_fused / mem_ours if mem_ours else float("nan")))
+                if tokens >= 4096 and name == "naive":
+                    targets_lines.append(
+                        f"linear_logprob {variant} {shape}: {pair.ratio:.3f}x naive's speed (>= 1.0 "
+                        f"{verdict(pair.ratio >= 1.0)}; pairs {pair.pairs}); extra memory {mem_fused / 1e9:.2f} GB vs "
+                        f"today's linear_logprob {mem_ours / 1e9:.2f} GB ({(mem_fused - mem_ours) / 1e9:+.2f} GB; "
+                        f"held after: {held_fused / 1e9:.2f} vs {held_ours / 1e9:.2f} GB)")
+                if tokens >= 4096 and name == "today":
+                    targets_lines.append(f"linear_logprob {variant} {shape}: {pair.ratio:.3f}x today's linear_logprob "
+                                         f"(pairs {pair.pairs})")
         if tokens <= 64:  # decode: the sampler's forward, against linear then logprob
             pair = bench_abba(lambda: rl_engine_ext.linear_logprob(hidden, weight, targets),
                               lambda: rl_engine_ext.logprob(rl_engine_ext.linear(hidden, weight), targets),

@@ -64,6 +64,7 @@ from torch import nn
 
 from .ops import op_defs
 from .ops._spec import OPS, OpDef, ParamModule
+from .ops.linear_logprob import fused_linear_logprob
 from .ops.logprob import IGNORE_INDEX
 
 MAIN_GRAD = "main_grad"
@@ -216,9 +217,20 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, group_offsets: torch.T
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   return_entropy: bool = False, bias: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX):
+                   return_entropy: bool = False, bias: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
+                   grad_logprob: torch.Tensor | None = None, grad_entropy: torch.Tensor | None = None):
     """rl_engine_ext.linear_logprob; weight and bias gradients into their ``main_grad`` where they
-    have one."""
+    have one. With declared cotangents (the fused-gradient mode) the forward continues each chain
+    into a new fp32 sum, which the backward stores into the chain if the cotangents match and the
+    chain is unchanged since the forward (else the ordinary backward continues the chain as it is)."""
+    if grad_logprob is not None or grad_entropy is not None:
+        chains = None
+        if _ACCUMULATING[0]:
+            module = _PARAMS["linear_logprob"][0]
+            chains = tuple(_chain(p, module, "linear_logprob") for p in (weight, bias))
+            chains = None if all(chain is None for chain in chains) else chains
+        return fused_linear_logprob(hidden, weight, targets, temperature, return_entropy, bias, ignore_index,
+                                    grad_logprob, grad_entropy, chains)
     logprob, entropy, _ = call("linear_logprob", hidden, weight, targets, bias, float(temperature), int(ignore_index))
     return (logprob, entropy) if return_entropy else logprob
 

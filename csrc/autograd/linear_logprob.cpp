@@ -1,4 +1,5 @@
-// Autograd of linear_logprob (why C++: common.h). The backward op has no derivative of its own.
+// Autograd of linear_logprob (why C++: common.h). The backward op and the fused-gradient op have no
+// derivative of their own.
 // The incoming gradients are read as logprob's are (logprob_grads.h); lse is an output for
 // samplers and tests, not a differentiable one.
 #include "common.h"
@@ -67,7 +68,9 @@ class LinearLogprobFunction : public torch::autograd::Function<LinearLogprobFunc
 
 TORCH_LIBRARY_IMPL(rl_align, Autograd, m) {
   m.impl("linear_logprob", &LinearLogprobFunction::kernel);
-  register_not_differentiable(m, {"linear_logprob_backward"});
+  // linear_logprob_fused_grad returns gradients: its autograd (declared cotangents checked at
+  // backward) is Python's, rl_engine_ext/ops/linear_logprob.py.
+  register_not_differentiable(m, {"linear_logprob_backward", "linear_logprob_fused_grad"});
 }
 
 }  // namespace rl_align

@@ -21,6 +21,10 @@ struct LinearLogprobCudaBackend : LinearCudaBackend {
     check_launch("linear_logprob_backward", logprob_bwd_simt(kernel_dtype(logits.scalar_type()), a,
                                                              at::cuda::getCurrentCUDAStream()));
   }
+  // out (contiguous, bf16/fp16) = sum (contiguous fp32) rounded as the GEMMs' epilogue rounds:
+  // torch's CUDA conversion is the same round-to-nearest instruction (__float2bfloat16 /
+  // __float2half, a NaN to the canonical NaN) as Convert<T>::from_float.
+  static void round_like_gemm(const at::Tensor& sum, const at::Tensor& out) { out.copy_(sum); }
 };
 
 }  // namespace
@@ -28,6 +32,7 @@ struct LinearLogprobCudaBackend : LinearCudaBackend {
 TORCH_LIBRARY_IMPL(rl_align, CUDA, m) {
   m.impl("linear_logprob", &linear_logprob_impl<LinearLogprobCudaBackend>);
   m.impl("linear_logprob_backward", &linear_logprob_backward_impl<LinearLogprobCudaBackend>);
+  m.impl("linear_logprob_fused_grad", &linear_logprob_fused_grad_impl<LinearLogprobCudaBackend>);
 }
 
 }  // namespace rl_align

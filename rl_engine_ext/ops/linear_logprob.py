@@ -26,7 +26,8 @@ from .linear import LINEAR_GRAD_TILE_TOKENS, LINEAR_MODULE
 from .linear import reference_forward as reference_linear
 from .linear import reference_grad_bias, reference_grad_input, reference_grad_weight
 from .logprob import (
-    AUTOCAST_TEMPERATURE, IGNORE_INDEX, TEMPERATURE_OUT_OF_RANGE, _targets, check_backward_stats, float64_truth,
+    AUTOCAST_TEMPERATURE, IGNORE_INDEX, TEMPERATURE_OUT_OF_RANGE, _check_row_stat, _targets, check_backward_stats,
+    float64_truth,
     check_targets, torch_token_logprobs,
     check_targets_in_range, check_temperature,
     reference_logprob,
@@ -37,6 +38,7 @@ from ._spec import (Autocast, AutocastCase, Autograd, BadInput, InvarianceCase, 
 
 OP = "linear_logprob"
 GRAD_OP = "linear_logprob_backward"
+FUSED_OP = "linear_logprob_fused_grad"
 LINEAR_LOGPROB_CHUNK_ELEMENTS = 1 << 27
 
 
@@ -107,13 +109,27 @@ def check_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bi
                                   fp32_param_grads=True) -> None:
     _check_args(GRAD_OP, hidden, weight, targets, bias, temperature)
     check_backward_stats(GRAD_OP, grad_logprob, grad_entropy, entropy, lse, targets)
-    _checks.check_fp32_accum(GRAD_OP, "dweight_accum", dweight_accum, tuple(weight.shape), hidden)
+    _check_param_grad_args(GRAD_OP, hidden, weight, bias, dweight_accum, dbias_accum, fp32_param_grads)
+
+
+def _check_param_grad_args(op: str, hidden, weight, bias, dweight_accum, dbias_accum, fp32_param_grads) -> None:
+    _checks.check_fp32_accum(op, "dweight_accum", dweight_accum, tuple(weight.shape), hidden)
     if bias is None and dbias_accum is not None:
-        raise _checks.fail(GRAD_OP, "dbias_accum is given but bias is None")
-    _checks.check_fp32_accum(GRAD_OP, "dbias_accum", dbias_accum, (weight.shape[0],), hidden)
+        raise _checks.fail(op, "dbias_accum is given but bias is None")
+    _checks.check_fp32_accum(op, "dbias_accum", dbias_accum, (weight.shape[0],), hidden)
     if not fp32_param_grads and (dweight_accum is not None or dbias_accum is not None):
-        raise _checks.fail(GRAD_OP, "fp32_param_grads=False rounds the weight and bias gradients to their dtypes "
-                                    "and takes no dweight_accum / dbias_accum")
+        raise _checks.fail(op, "fp32_param_grads=False rounds the weight and bias gradients to their dtypes "
+                               "and takes no dweight_accum / dbias_accum")
+
+
+def check_linear_logprob_fused_grad(hidden, weight, targets, bias, temperature, ignore_index, grad_logprob,
+                                    grad_entropy, dweight_accum=None, dbias_accum=None,
+                                    fp32_param_grads=True) -> None:
+    _check_args(FUSED_OP, hidden, weight, targets, bias, temperature)
+    _check_row_stat(FUSED_OP, "grad_logprob", grad_logprob, targets)
+    if grad_entropy is not None:
+        _check_row_stat(FUSED_OP, "grad_entropy", grad_entropy, targets)
+    _check_param_grad_args(FUSED_OP, hidden, weight, bias, dweight_accum, dbias_accum, fp32_param_grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +182,18 @@ def reference_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight
     return grad_hidden.reshape(hidden.shape), dw, db
 
 
+def reference_linear_logprob_fused_grad(hidden, weight, targets, bias, temperature, ignore_index, grad_logprob,
+                                        grad_entropy, dweight_accum=None, dbias_accum=None, fp32_param_grads=True):
+    """The definition: the forward, then the backward with the given cotangents."""
+    check_linear_logprob_fused_grad(hidden, weight, targets, bias, temperature, ignore_index, grad_logprob,
+                                    grad_entropy, dweight_accum, dbias_accum, fp32_param_grads)
+    check_targets_in_range(FUSED_OP, targets, weight.shape[0], ignore_index)
+    logprob, entropy, lse = reference_linear_logprob(hidden, weight, targets, bias, temperature, ignore_index)
+    grads = reference_linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, entropy, lse,
+                                              temperature, ignore_index, dweight_accum, dbias_accum, fp32_param_grads)
+    return (logprob, entropy, lse, *grads)
+
+
 def reference_forward_fp32(hidden, weight, targets, bias=None, temperature=1.0, ignore_index=IGNORE_INDEX):
     """Ground truth: (logprob, entropy) in fp32 from float64 logits and log-softmax (see
     logprob.reference_forward_fp32 for why float64)."""
@@ -187,6 +215,13 @@ def _empty_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, e
             hidden.new_empty(weight.shape, dtype=torch.float32 if fp32_param_grads else weight.dtype),
             hidden.new_empty((weight.shape[0] if bias is not None else 0,),
                              dtype=torch.float32 if fp32_param_grads or bias is None else bias.dtype))
+
+
+def _empty_fused_grad(hidden, weight, targets, bias, temperature, ignore_index, grad_logprob, grad_entropy,
+                      dweight_accum=None, dbias_accum=None, fp32_param_grads=True):
+    return (*_empty_forward(hidden, weight, targets),
+            *_empty_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets, None, None, temperature,
+                             ignore_index, dweight_accum, dbias_accum, fp32_param_grads))
 
 
 def _setup_context(ctx, inputs, output):
@@ -217,16 +252,147 @@ def _backward(ctx, grad_logprob, grad_entropy, grad_lse, accums=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# The fused-gradient mode: the cotangents declared at forward time
+# ---------------------------------------------------------------------------------------------
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A device bool: every element of a and b (fp32, one shape) has the same bits (so -0.0 is not
+    0.0 and a NaN equals the same NaN: the gradients' bits follow the cotangents' bits)."""
+    return torch.eq(a.view(torch.int32), b.view(torch.int32)).all()
+
+
+class _FusedGradFunction(torch.autograd.Function):
+    """linear_logprob whose gradients come from linear_logprob_fused_grad at forward time (stashed
+    here), given the cotangents the loss is declared to send back. The backward compares the
+    incoming cotangents with the declared ones bit for bit (one host sync): equal, it returns the
+    stash; not, it runs the ordinary backward op with the incoming ones (the same bits as without
+    the declaration, only slower). ``chains``: None (autograd: the parameters' gradients rounded to
+    their dtypes) or rl_engine_ext.main_grad's per-parameter fp32 chains (weight, bias; each None or
+    an object with ``.chain``, the accumulator, and ``.store(fp32_sum)``): the stash is the sum
+    continued from the chain as it was at forward time, and the backward stores it only if the chain
+    did not change in between (else the backward op continues the chain as it is)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, temperature, ignore_index, grad_logprob, grad_entropy, chains):
+        accums = None
+        if chains is not None:
+            accums = tuple(None if chain is None or not ctx.needs_input_grad[i] else chain.chain
+                           for i, chain in zip((1, 3), chains))
+        weight_accum, bias_accum = accums or (None, None)
+        logprob, entropy, lse, *stash = OPS.linear_logprob_fused_grad(
+            hidden, weight, targets, bias, temperature, ignore_index, grad_logprob, grad_entropy, weight_accum,
+            bias_accum, accums is not None)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, targets, entropy, lse, bias)
+        ctx.temperature, ctx.ignore_index = temperature, ignore_index
+        # Copies (4 bytes a token): the caller may reuse its buffers before the backward.
+        ctx.declared = (grad_logprob.clone(), None if grad_entropy is None else grad_entropy.clone())
+        ctx.stash, ctx.chains = tuple(stash), chains
+        ctx.accum_versions = None if accums is None else tuple(None if a is None else a._version for a in accums)
+        ctx.mark_non_differentiable(lse)
+        return logprob, entropy, lse
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, grad_lse):
+        if grad_logprob is None and grad_entropy is None:
+            return (None,) * 9
+        declared_logprob, declared_entropy = ctx.declared
+        chains = ctx.chains
+        accums = None
+        if chains is not None:
+            accums = tuple(None if chain is None or not ctx.needs_input_grad[i] else chain.chain
+                           for i, chain in zip((1, 3), chains))
+        # As the backward reads them (csrc/autograd/logprob_grads.h): an unused logprob a zero
+        # gradient, an unused entropy no entropy term (None matches only None).
+        incoming = torch.zeros_like(declared_logprob) if grad_logprob is None else grad_logprob
+        same = (grad_entropy is None) == (declared_entropy is None) and (
+            accums is None or tuple(None if a is None else a._version for a in accums) == ctx.accum_versions)
+        if same:
+            bits = _same_bits(incoming, declared_logprob)
+            if grad_entropy is not None:
+                bits = bits & _same_bits(grad_entropy, declared_entropy)
+            same = bool(bits)  # the one host sync
+        if same:
+            grad_hidden, grad_weight, grad_bias = ctx.stash
+            bias = ctx.saved_tensors[5]
+            grads = [grad_hidden if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
+                     None, grad_bias if bias is not None and ctx.needs_input_grad[3] else None, None, None]
+        else:
+            grads = list(_backward(ctx, grad_logprob, grad_entropy, grad_lse, accums))
+        if chains is not None:  # as rl_engine_ext.main_grad's Functions
+            for i, accum, chain, param in zip((1, 3), accums, chains, (ctx.saved_tensors[1], ctx.saved_tensors[5])):
+                if grads[i] is None:
+                    continue
+                if accum is None:
+                    grads[i] = grads[i].to(param.dtype)
+                else:
+                    chain.store(grads[i])
+                    grads[i] = None
+        return (*grads, None, None, None)
+
+
+def _autocast(*tensors):
+    """Under torch.autocast on the tensors' device type, the floating-point ones (not fp64) in the
+    autocast dtype: linear_logprob's rule (Autocast.LOWER_PRECISION), applied here because the
+    fused-gradient op has none (its cotangents stay fp32). Differentiable casts, as autocast's."""
+    device_type = tensors[0].device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.device.type == device_type
+                 and t.dtype != torch.float64 else t for t in tensors)
+
+
+def fused_linear_logprob(hidden, weight, targets, temperature, return_entropy, bias, ignore_index, grad_logprob,
+                         grad_entropy, chains=None):
+    """linear_logprob with declared cotangents (``linear_logprob``'s doc); ``chains``: see
+    _FusedGradFunction (rl_engine_ext.main_grad passes them)."""
+    temperature, ignore_index = float(temperature), int(ignore_index)
+    if grad_entropy is not None and not return_entropy:
+        raise _checks.fail(OP, "grad_entropy is given but return_entropy=False: the entropy's incoming gradient "
+                               "would be None, never the declared one")
+    if grad_logprob is None:  # an entropy-only loss: logprob's gradient is zero, as an unused output's
+        grad_logprob = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
+        # No gradient wanted: the forward alone (the declaration is still checked).
+        check_linear_logprob_fused_grad(hidden, weight, targets, bias, temperature, ignore_index, grad_logprob,
+                                        grad_entropy)
+        logprob, entropy, _ = OPS.linear_logprob(hidden, weight, targets, bias, temperature, ignore_index)
+    else:
+        logprob, entropy, _ = _FusedGradFunction.apply(
+            hidden, weight, targets, bias, temperature, ignore_index, grad_logprob.detach(),
+            None if grad_entropy is None else grad_entropy.detach(), chains)
+    return (logprob, entropy) if return_entropy else logprob
+
+
+# ---------------------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------------------
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   return_entropy: bool = False, bias: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX):
+                   return_entropy: bool = False, bias: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
+                   grad_logprob: torch.Tensor | None = None, grad_entropy: torch.Tensor | None = None):
     """``logprob(linear(hidden, weight, bias), targets, temperature, return_entropy)`` bit for bit
     (differentiable), without materialising the ``[..., V]`` logits. hidden ``[..., H]``, weight
     ``[V, H]`` (the LM head; may be tied to the embedding: autograd adds the gradients), targets
-    ``[...]``; ``temperature`` in logprob's range ([MIN_TEMPERATURE, MAX_TEMPERATURE])."""
+    ``[...]``; ``temperature`` in logprob's range ([MIN_TEMPERATURE, MAX_TEMPERATURE]).
+
+    Fused-gradient mode: ``grad_logprob`` (and ``grad_entropy`` with return_entropy=True), fp32 of
+    targets' shape, declare the cotangents the loss will send back (d loss / d logprob, d loss /
+    d entropy; e.g. a GRPO/PPO loss's per-token weights, computable from the sampler's log-probs,
+    which equal these bit for bit). When a gradient is needed, the forward then also takes the
+    gradients (linear_logprob_fused_grad: three GEMMs instead of the backward's four), and the
+    backward returns them if the incoming cotangents have the declared bits (one host sync);
+    otherwise it runs the ordinary backward with the incoming ones. The results are always those
+    of the call without the declaration, bit for bit. grad_entropy None declares no entropy
+    gradient (the entropy unused); grad_logprob None with grad_entropy declares an entropy-only loss.
+    """
+    if grad_logprob is not None or grad_entropy is not None:
+        return fused_linear_logprob(hidden, weight, targets, temperature, return_entropy, bias, ignore_index,
+                                    grad_logprob, grad_entropy)
     lp, entropy, _ = OPS.linear_logprob(hidden, weight, targets, bias, float(temperature),
                                         int(ignore_index))
     return (lp, entropy) if return_entropy else lp
@@ -242,6 +408,17 @@ def linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, ta
     return OPS.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, bias, targets,
                                        entropy, lse, float(temperature), int(ignore_index),
                                        dweight_accum, dbias_accum, bool(fp32_param_grads))
+
+
+def linear_logprob_fused_grad(hidden, weight, targets, grad_logprob, grad_entropy=None, bias=None,
+                              temperature: float = 1.0, ignore_index: int = IGNORE_INDEX, dweight_accum=None,
+                              dbias_accum=None, fp32_param_grads: bool = True):
+    """(logprob, entropy, lse, grad_hidden, grad_weight, grad_bias): linear_logprob's outputs and
+    then linear_logprob_backward(grad_logprob, grad_entropy, ...)'s, bit for bit, in one pass over
+    the forward's token chunks (the op under linear_logprob's fused-gradient mode; no autograd)."""
+    return OPS.linear_logprob_fused_grad(hidden, weight, targets, bias, float(temperature), int(ignore_index),
+                                         grad_logprob, grad_entropy, dweight_accum, dbias_accum,
+                                         bool(fp32_param_grads))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +449,9 @@ def _samples(device: str, dtype: torch.dtype) -> list[Sample]:
             Sample(GRAD_OP, (g, None, h, w, None, t, ent, lse, 0.9, IGNORE_INDEX,
                              torch.ones(w.shape, device=device), None)),
             Sample(GRAD_OP, (g, g, h, w, b, t, ent, lse, 0.9, IGNORE_INDEX, None, None, False)),
+            Sample(FUSED_OP, (h, w, t, b, 0.9, IGNORE_INDEX, g, g, None, None)),
+            Sample(FUSED_OP, (h, w, t.int(), None, 1.0, IGNORE_INDEX, g, None, torch.ones(w.shape, device=device), None)),
+            Sample(FUSED_OP, (h, w, t, b, 0.9, IGNORE_INDEX, g, None, None, None, False)),
         ]
     return out
 
@@ -311,11 +491,30 @@ def _bad_inputs(device: str) -> list[BadInput]:
                  r"dbias_accum must have shape \[16\]"),
         BadInput(GRAD_OP, (g, None, h, w, b, t, g, g, 1.0, -100, None, b, False), ValueError,
                  "fp32_param_grads=False rounds the weight and bias gradients"),
+        BadInput(FUSED_OP, (h.double(), w, t, None, 1.0, -100, g, None), ValueError,
+                 "unsupported dtype torch.float64 for hidden"),
+        BadInput(FUSED_OP, (h, w, t, None, 0.0, -100, g, None), ValueError, TEMPERATURE_OUT_OF_RANGE + "0"),
+        BadInput(FUSED_OP, (h, w, t, b[:3], 1.0, -100, g, None), ValueError, r"bias must have shape \[16\]"),
+        BadInput(FUSED_OP, (h, w, t, None, 1.0, -100, g.bfloat16(), None), ValueError,
+                 "grad_logprob must be torch.float32"),
+        BadInput(FUSED_OP, (h, w, t, None, 1.0, -100, g[:2], None), ValueError,
+                 r"grad_logprob shape \[2\] differs from targets shape \[4\]"),
+        BadInput(FUSED_OP, (h, w, t, None, 1.0, -100, g, g.half()), ValueError, "grad_entropy must be torch.float32"),
+        BadInput(FUSED_OP, (h, w, t, None, 1.0, -100, g, g.view(2, 2)), ValueError,
+                 r"grad_entropy shape \[2, 2\] differs from targets shape"),
+        BadInput(FUSED_OP, (h, w, t, None, 1.0, -100, g, None, torch.ones(8, 16, device=device), None), ValueError,
+                 r"dweight_accum must have shape \[16, 8\]"),
+        BadInput(FUSED_OP, (h, w, t, None, 1.0, -100, g, None, None, b), ValueError,
+                 "dbias_accum is given but bias is None"),
+        BadInput(FUSED_OP, (h, w, t, b, 1.0, -100, g, None, w.clone(), None, False), ValueError,
+                 "fp32_param_grads=False rounds the weight and bias gradients"),
     ]
     if device == "cpu":
         bad += [
             BadInput(OP, (h, w, torch.tensor([0, 1, 16, 2]), None, 1.0, -100), IndexError,
                      "target 16 out of range for a vocabulary of 16", True),
+            BadInput(FUSED_OP, (h, w, torch.tensor([0, -1, 2, 3]), None, 1.0, -100, g, None), IndexError,
+                     "target -1 out of range for a vocabulary of 16", True),
         ]
     else:
         bad += [
@@ -323,6 +522,8 @@ def _bad_inputs(device: str) -> list[BadInput]:
             BadInput(OP, (h, w, t.cpu(), None, 1.0, -100), RuntimeError, "targets is on cpu"),
             BadInput(GRAD_OP, (g, None, h, w, None, t, g, g, 1.0, -100, torch.ones(16, 8), None), RuntimeError,
                      "dweight_accum is on cpu"),
+            BadInput(FUSED_OP, (h, w, t, None, 1.0, -100, g.cpu(), None), RuntimeError, "grad_logprob is on cpu"),
+            BadInput(FUSED_OP, (h, w, t, None, 1.0, -100, g, g.cpu()), RuntimeError, "grad_entropy is on cpu"),
         ]
     return bad
 
@@ -370,10 +571,13 @@ SPEC = OpSpec(
         OpDef(OP, check_linear_logprob, reference_linear_logprob, _empty_forward,
               Autograd(_setup_context, _backward, ParamGrads((1, 3), LINEAR_MODULE)), Autocast.LOWER_PRECISION),
         OpDef(GRAD_OP, check_linear_logprob_backward, reference_linear_logprob_backward, _empty_backward),
+        # Not differentiable itself: linear_logprob's fused-gradient mode (_FusedGradFunction) uses it.
+        OpDef(FUSED_OP, check_linear_logprob_fused_grad, reference_linear_logprob_fused_grad, _empty_fused_grad),
     ),
     exports={
         "linear_logprob": linear_logprob,
         "linear_logprob_backward": linear_logprob_backward,
+        "linear_logprob_fused_grad": linear_logprob_fused_grad,
         "linear_logprob_chunk_tokens": linear_logprob_chunk_tokens,
         "linear_logprob_slice_columns": linear_logprob_slice_columns,
         "LINEAR_LOGPROB_CHUNK_ELEMENTS": LINEAR_LOGPROB_CHUNK_ELEMENTS,
