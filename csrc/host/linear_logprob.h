@@ -53,9 +53,11 @@ inline int64_t forced_multiple(const char* env, int64_t multiple) {
 // Tokens per forward chunk: linear_logprob_chunk_tokens, or RL_ENGINE_EXT_LINEAR_LOGPROB_CHUNK_TOKENS
 // (a positive multiple of kLinearGradTileTokens) where tests force small chunks; the results are
 // the same bits for every chunk size.
-inline int64_t logprob_chunk_tokens(int64_t vocab) {
+// The fused-gradient mode's chunks are kLinearLogprobFusedChunkFactor of those (a forced size is
+// taken as it is).
+inline int64_t logprob_chunk_tokens(int64_t vocab, int64_t factor = 1) {
   const int64_t forced = forced_multiple("RL_ENGINE_EXT_LINEAR_LOGPROB_CHUNK_TOKENS", kLinearGradTileTokens);
-  return forced > 0 ? forced : linear_logprob_chunk_tokens(vocab, kLinearGradTileTokens);
+  return forced > 0 ? forced : factor * linear_logprob_chunk_tokens(vocab, kLinearGradTileTokens);
 }
 
 // Vocabulary columns per backward slice for `tokens` tokens: linear_logprob_slice_columns, or
@@ -238,7 +240,7 @@ LinearLogprobFusedOutputs linear_logprob_fused_grad_impl(
     return {logprob, entropy, lse, grad_hidden, grad_weight, grad_bias};
   }
   const auto fp32 = hidden.options().dtype(at::kFloat);
-  const int64_t chunk_tokens = logprob_chunk_tokens(vocab);
+  const int64_t chunk_tokens = logprob_chunk_tokens(vocab, kLinearLogprobFusedChunkFactor);
   const at::Tensor h = hidden.reshape({tokens, width});
   const at::Tensor t = flat_rows(targets);
   const at::Tensor g = flat_rows(grad_logprob);
