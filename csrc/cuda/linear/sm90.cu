@@ -59,10 +59,16 @@ struct Sm90Config {
   static_assert((BN / CLUSTER) % 8 == 0, "multicast slices are whole swizzle atoms (8 rows of 128 bytes)");
 };
 
-// An MN-major B is loaded in whole 64-column swizzle rows, per multicast slice too.
+// An MN-major B is loaded in whole 64-column rows of the 128-byte swizzle, per multicast slice
+// too; or, as one 32-column tile (no multicast), in 64-byte rows of the 64-byte swizzle, so that a
+// decode-size grad input has as many column tiles as the forward's (twice the CTAs streaming W).
 template <typename Cfg, bool B_MN>
-constexpr bool config_takes_layout() {
-  return !B_MN || (Cfg::BN / Cfg::CLUSTER) % 64 == 0;
+__host__ __device__ constexpr bool b_swizzle_64b() {
+  return B_MN && Cfg::BN == 32 && Cfg::CLUSTER == 1;
+}
+template <typename Cfg, bool B_MN>
+__host__ __device__ constexpr bool config_takes_layout() {
+  return !B_MN || (Cfg::BN / Cfg::CLUSTER) % 64 == 0 || b_swizzle_64b<Cfg, B_MN>();
 }
 
 // Decode (m <= 64): narrow column tiles so that enough CTAs stream the weight, and a deep ring so
@@ -111,9 +117,9 @@ constexpr int kTileGroupM = 8;  // tile order: 8 row-tiles share each column swe
 
 // Address of k16 chunk `s` of a k-block tile that starts at `base`: 16 elements = 32 bytes along
 // a K-major row; 16 rows of 128 bytes down an MN-major tile.
-template <bool MN_MAJOR>
+template <bool MN_MAJOR, int ROW_BYTES = kSwizzleRowBytes>
 __device__ __forceinline__ uint32_t chunk_addr(uint32_t base, int s) {
-  return base + (MN_MAJOR ? s * kMmaK * kSwizzleRowBytes : s * kMmaK * 2);
+  return base + (MN_MAJOR ? s * kMmaK * ROW_BYTES : s * kMmaK * 2);
 }
 
 __device__ __forceinline__ void tile_coords(int tile, int tiles_m, int tiles_n, int& mt, int& nt) {
@@ -247,6 +253,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
                             int n, int k, uint32_t stage_tx_bytes, int leaves, Sm90Groups groups) {
 #ifdef RL_ALIGN_SM90A_DEVICE
   constexpr int BM = Cfg::BM, BN = Cfg::BN, STAGES = Cfg::STAGES, CLUSTER = Cfg::CLUSTER;
+  constexpr bool kBSwizzle64 = b_swizzle_64b<Cfg, B_MN>();
   static_assert(GROUP == GroupMode::kNone || (CLUSTER == 1 && !TREE), "grouped tiles: no multicast, no tree");
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -353,7 +360,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
               tma_load_2d(b_stage(stage) + offset, &tma_b, &full[stage], inner, outer);
             }
           };
-          if constexpr (B_MN) {
+          if constexpr (kBSwizzle64) {
+            load_b(0, t.nt * BN, k0);
+          } else if constexpr (B_MN) {
             for (int c = rank * kSlice / 64; c < (rank + 1) * kSlice / 64; ++c)
               load_b(c * kBlockK * kSwizzleRowBytes, t.nt * BN + c * 64, k0);
           } else {
@@ -431,7 +440,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           for (int s = 0; s < kBlockK / kMmaK; ++s) {
             Wgmma<BN, T>::template mma<A_MN ? 1 : 0, B_MN ? 1 : 0>(
                 d, smem_desc(chunk_addr<A_MN>(a_base, s), kMnChunkBytes, kSwizzleAtomBytes),
-                smem_desc(chunk_addr<B_MN>(b_base, s), kMnChunkBytes, kSwizzleAtomBytes),
+                kBSwizzle64
+                    ? smem_desc(chunk_addr<true, kSwizzleRowBytes / 2>(b_base, s), kMnChunkBytes / 2,
+                                kSwizzleAtomBytes / 2, true)
+                    : smem_desc(chunk_addr<B_MN>(b_base, s), kMnChunkBytes, kSwizzleAtomBytes),
                 !fresh || kb > kb_begin || s > 0);
           }
           wgmma_commit();
@@ -557,18 +569,21 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 // range rows and columns read as zeros. groups > 1: `groups` such matrices group_stride elements
 // apart, a 3-D map read one group at a time (each group's rows zero-filled past its own end).
 bool encode_operand(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int64_t outer,
-                    int64_t ld, int box_outer, int64_t groups = 1, int64_t group_stride = 0) {
+                    int64_t ld, int box_outer, int64_t groups = 1, int64_t group_stride = 0,
+                    bool swizzle_64b = false) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer),
                               static_cast<cuuint64_t>(groups)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld) * 2, static_cast<cuuint64_t>(group_stride) * 2};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_outer), 1};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(swizzle_64b ? kBlockK / 2 : kBlockK),
+                             static_cast<cuuint32_t>(box_outer), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult r = encode(
       map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
       groups > 1 ? 3 : 2, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      swizzle_64b ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
@@ -596,7 +611,8 @@ gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
                          : encode_operand(&map_a, dtype, p.a, p.k, p.m, p.lda, a_rows);
   // kRows: B is the groups' matrices, a 3-D map.
   const int64_t b_groups = GROUP == GroupMode::kRows ? p.groups : 1;
-  const bool ok_b = B_MN ? encode_operand(&map_b, dtype, p.b, p.n, p.k, p.ldb, kBlockK, b_groups, p.b_group_stride)
+  const bool ok_b = B_MN ? encode_operand(&map_b, dtype, p.b, p.n, p.k, p.ldb, kBlockK, b_groups, p.b_group_stride,
+                                          b_swizzle_64b<Cfg, B_MN>())
                          : encode_operand(&map_b, dtype, p.b, p.k, p.n, p.ldb, Cfg::BN / Cfg::CLUSTER, b_groups,
                                           p.b_group_stride);
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
@@ -650,9 +666,9 @@ template <bool B_MN>
 Sm90GemmConfig choose_config(const GemmProblem& p) {
   const int64_t sms = multiprocessor_count(current_device());
   if (p.m <= 64) {
-    if (B_MN) return Sm90GemmConfig::kDecode64;
-    return waves(p.m, p.n, 64, 48, 1, sms) * 48 <= waves(p.m, p.n, 64, 32, 1, sms) * 32 ? Sm90GemmConfig::kDecode48
-                                                                                          : Sm90GemmConfig::kDecode32;
+    const int64_t narrow = waves(p.m, p.n, 64, 32, 1, sms) * 32;
+    if (B_MN) return waves(p.m, p.n, 64, 64, 1, sms) * 64 < narrow ? Sm90GemmConfig::kDecode64 : Sm90GemmConfig::kDecode32;
+    return waves(p.m, p.n, 64, 48, 1, sms) * 48 <= narrow ? Sm90GemmConfig::kDecode48 : Sm90GemmConfig::kDecode32;
   }
   if (p.m <= 128) {  // one row tile: nothing to share B with
     return ceil_div(p.n, LargeConfig::BN) < sms ? Sm90GemmConfig::kMedium : Sm90GemmConfig::kLarge;
