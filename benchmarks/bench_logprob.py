@@ -14,7 +14,7 @@ cross-entropy (reduction "sum", the same work) when importable; at T <= 64 also 
 (decode: what a sampler runs) against "unfused" = rl_engine_ext.logprob(rl_engine_ext.linear(h, W)).
 The fused-gradient mode (linear_logprob(..., grad_logprob=ones): the cotangent declared, gradients
 taken in the forward, 3 GEMMs instead of 4) against "naive" and "today" (linear_logprob without the
-declaration), at its default chunk (4x the forward's) and at the forward's chunk (fused_chunk1x).
+declaration), at its default chunk (4x the forward's) and at the forward's chunk (fused_chunk1x), and against Liger.
 Extra memory = peak allocated during one fwd+bwd minus what was allocated before it.
 Every pair is timed A-B-B-A in one run (common.bench_abba).
 Targets (H100, bf16): logprob fwd at 2048 x 151936 >= 0.80 of the limit, fwd+bwd >= 0.70;
@@ -173,6 +173,12 @@ def main() -> int:
         if liger is not None:
             refs["liger"] = fwd_bwd(lambda h, w: liger(h, w, targets), [h, w])
         mem_ours, held_ours = extra_memory(ours, device)
+
+        def add_comparison(op, name, pair, memory_ratio, label="linear_logprob", shape=shape):
+            """One fwd+bwd A-B-B-A comparison's CSV rows and summary-table line."""
+            out.add_pair(op, shape, "bf16", "fwd+bwd", pair, reference=name, ratio_metric=f"ratio_vs_{name}")
+            table.append((label, shape, "fwd+bwd", name, pair.ours.median_us, pair.reference.median_us, pair.ratio,
+                          pair.pairs, float("nan"), pair.wall.ratio if pair.wall else float("nan"), memory_ratio))
         out.add("linear_logprob", "rl_engine_ext", shape, "bf16", "fwd+bwd", "extra_memory_GB", mem_ours / 1e9, unit="GB")
         out.add("linear_logprob", "rl_engine_ext", shape, "bf16", "fwd+bwd", "grads_held_GB", held_ours / 1e9, unit="GB")
         for name, ref in refs.items():
@@ -185,10 +191,7 @@ def main() -> int:
                 continue
             out.add("linear_logprob", name, shape, "bf16", "fwd+bwd", "extra_memory_GB", mem_ref / 1e9, unit="GB")
             out.add("linear_logprob", name, shape, "bf16", "fwd+bwd", "grads_held_GB", held_ref / 1e9, unit="GB")
-            out.add_pair("linear_logprob", shape, "bf16", "fwd+bwd", pair, reference=name, ratio_metric=f"ratio_vs_{name}")
-            table.append(("linear_logprob", shape, "fwd+bwd", name, pair.ours.median_us, pair.reference.median_us,
-                          pair.ratio, pair.pairs, float("nan"), pair.wall.ratio if pair.wall else float("nan"),
-                          mem_ours / mem_ref if mem_ref else float("nan")))
+            add_comparison("linear_logprob", name, pair, mem_ours / mem_ref if mem_ref else float("nan"))
             if tokens >= 4096 and name == "naive":
                 targets_lines.append(
                     f"linear_logprob {shape}: time {1 / pair.ratio:.3f}x naive (<= 1.10 {verdict(1 / pair.ratio <= 1.10)}; "
@@ -202,7 +205,8 @@ def main() -> int:
         # The fused-gradient mode: the cotangent (here the sum's ones) declared at forward time, so
         # the gradients come from the forward's 3 GEMMs a chunk (chunks of 4x the forward's: the d
         # weight fp32 sum is read and written once a chunk); against naive and today's call, and
-        # at the forward's chunk (fused_chunk1x: more chunks, more traffic, a quarter of the memory).
+        # at the forward's chunk (fused_chunk1x: more chunks, more traffic, a quarter of the memory); and
+        # against Liger's fused linear cross-entropy where it is installed (the same declared-loss trick).
         ones = torch.ones(tokens, device=device)
         chunk = rl_engine_ext.linear_logprob_chunk_tokens(vocab)
         for variant, chunk_tokens in (("fused", None), ("fused_chunk1x", chunk)):
@@ -212,17 +216,14 @@ def main() -> int:
             op = f"linear_logprob_{variant}"
             out.add(op, "rl_engine_ext", shape, "bf16", "fwd+bwd", "extra_memory_GB", mem_fused / 1e9, unit="GB")
             out.add(op, "rl_engine_ext", shape, "bf16", "fwd+bwd", "grads_held_GB", held_fused / 1e9, unit="GB")
-            for name, ref in (("naive", refs["naive"]), ("today", ours)):
+            for name, ref in (*refs.items(), ("today", ours)):
                 try:
                     pair = bench_abba(fused, ref, device=device, rep_ms=rep_ms)
                 except torch.OutOfMemoryError as exc:
                     print(f"# {variant} vs {name} at {shape}: out of memory ({str(exc).splitlines()[0]})")
                     torch.cuda.empty_cache()
                     continue
-                out.add_pair(op, shape, "bf16", "fwd+bwd", pair, reference=name, ratio_metric=f"ratio_vs_{name}")
-                table.append((variant, shape, "fwd+bwd", name, pair.ours.median_us, pair.reference.median_us,
-                              pair.ratio, pair.pairs, float("nan"), float("nan"),
-                              mem_fused / mem_ours if mem_ours else float("nan")))
+                add_comparison(op, name, pair, mem_fused / mem_ours if mem_ours else float("nan"), label=variant)
                 if tokens >= 4096 and name == "naive":
                     targets_lines.append(
                         f"linear_logprob {variant} {shape}: {pair.ratio:.3f}x naive's speed (>= 1.0 "
