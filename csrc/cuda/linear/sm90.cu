@@ -72,8 +72,8 @@ __host__ __device__ constexpr bool config_takes_layout() {
 }
 
 // Decode (m <= 64): narrow column tiles so that enough CTAs stream the weight, and a deep ring so
-// that enough of it is in flight; the K-major weight allows 32 or 48 columns, an MN-major one needs
-// a whole 64-column swizzle row.
+// that enough of it is in flight; the K-major weight allows 32 or 48 columns, an MN-major one 64
+// (a whole row of the 128-byte swizzle) or 32 (b_swizzle_64b).
 using DecodeConfig = Sm90Config<64, 32, 16>;
 using Decode48Config = Sm90Config<64, 48, 16>;
 using DecodeMnConfig = Sm90Config<64, 64, 8>;
@@ -660,7 +660,7 @@ inline int64_t waves(int64_t m, int64_t n, int bm, int bn, int rows, int64_t slo
 // whole waves of the persistent grid times the tile's width, over the tile's relative speed. The
 // H100 measurements behind it (benchmarks/results/h100.md, "GEMM tiles"): the weight-streaming
 // decode tiles go 48 wide where that saves a wave; above decode size a pair of row tiles sharing B
-// (multicast) beats a lone tile by up to 1.25x (the rows of B are read from L2 half as often), and a
+// (multicast) beats a lone tile by up to 1.45x (the rows of B are read from L2 half as often), and a
 // 192- or 256-column tile does ~5% / ~8% more per column than a 128-column one.
 template <bool B_MN>
 Sm90GemmConfig choose_config(const GemmProblem& p) {
