@@ -2,8 +2,8 @@
 // one or two consumer warpgroups of 64 GQA-packed query rows (row = query * G + head in group, as
 // the sm80 kernels pack them). The producer's warp 0 issues the K/V loads; its warps 1..CONSUMERS
 // gather each consumer's Q (any layout, cp.async into the swizzled layout) for the next tile while
-// the consumer finishes the current one. S = Q K^T is a wgmma SS; O += P V a wgmma RS (P from the
-// S accumulators).
+// the consumer finishes the current one. S = Q K^T is a wgmma RS (Q in registers; SS where two
+// CTAs share an SM); O += P V a wgmma RS (P from the S accumulators).
 //
 // Arithmetic: the sm80 forward's, step for step (sm80_fwd.cu header; the block recurrence
 // and the split merge are recurrence.cuh's functions, called on the wgmma accumulators,
@@ -40,7 +40,9 @@ constexpr int kConsumerRows = 64;  // wgmma m64: rows per consumer warpgroup
 // blocks in the TMA ring; PINGPONG: the two consumers take turns issuing their wgmmas, so that one
 // runs its softmax while the other's matrix products run.
 // MIN_BLOCKS CTAs per SM; the register file (64K) is then split by setmaxnreg: the producer keeps
-// PRODUCER_REGS, each consumer thread gets CONSUMER_REGS.
+// PRODUCER_REGS, each consumer thread gets CONSUMER_REGS. Q_IN_REGISTERS (one CTA per SM): a
+// consumer holds its Q as wgmma A fragments (S = Q K^T reads only K from shared memory); with two
+// CTAs per SM the registers do not suffice and S reads Q from shared memory.
 template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PINGPONG_, int MIN_BLOCKS_ = 1>
 struct Sm90FwdConfig {
   static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -48,6 +50,7 @@ struct Sm90FwdConfig {
   static constexpr int STAGES = STAGES_;
   static constexpr bool PINGPONG = PINGPONG_ && CONSUMERS_ == 2;
   static constexpr int MIN_BLOCKS = MIN_BLOCKS_;
+  static constexpr bool Q_IN_REGISTERS = MIN_BLOCKS_ == 1;
   static constexpr int PRODUCER_REGS = 56;
   // 65536 / MIN_BLOCKS registers per CTA, less the producer's, over the consumer threads (a
   // multiple of 8).
@@ -505,13 +508,30 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       int my_end = !active ? b_begin : p.causal ? my_last_pos / kKvBlock + 1 : b_end;
       my_end = my_end < b_begin ? b_begin : my_end > b_end ? b_end : my_end;
 
-      // Q (the loader's), released once the tile's last S is done.
-      if (active) mbar_wait(&q_full[consumer], q_phase);
+      // Q (the loader's), released once the tile's last S is done; Q_IN_REGISTERS: read once as the
+      // A fragments of S (wgmma RS), the loader's buffer then released at once.
       auto release_q = [&]() {
         if (!active) return;
         if (tid == 0) mbar_arrive(&q_empty[consumer]);
         q_phase ^= 1;
       };
+      auto release_q_after_scores = [&]() {
+        if constexpr (!Cfg::Q_IN_REGISTERS) release_q();
+      };
+      uint32_t qa[Cfg::Q_IN_REGISTERS ? Cfg::D_STEPS : 1][4];
+      if (active) {
+        mbar_wait(&q_full[consumer], q_phase);
+        if constexpr (Cfg::Q_IN_REGISTERS) {
+          const int quad = lane / 8, r = warp * 16 + 8 * (quad & 1) + lane % 8;
+#pragma unroll
+          for (int ks = 0; ks < Cfg::D_STEPS; ++ks) {
+            const int chunk = (ks % 4) * 2 + (quad >> 1);  // 16-byte chunk of the 128-byte row
+            ldmatrix_x4<false>(qa[ks], my_q_addr + (ks / 4) * kBoxBytes + r * 128 + ((chunk ^ (r % 8)) * 16));
+          }
+          named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);  // every read done
+          release_q();
+        }
+      }
 
       const int warp_row0 = my_row0 + warp * 16;
       const int warp_first_pos = first_pos + warp_row0 / group;
@@ -538,7 +558,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         const uint32_t k_addr = smem_addr(k_stage(st));
 #pragma unroll
         for (int ks = 0; ks < Cfg::D_STEPS; ++ks) {
-          Wgmma<64, T>::template mma<0, 0>(score_flat, kmajor_desc(my_q_addr, ks), kmajor_desc(k_addr, ks), ks > 0);
+          if constexpr (Cfg::Q_IN_REGISTERS) {
+            WgmmaRs<64, T>::template mma<0>(score_flat, qa[ks], kmajor_desc(k_addr, ks), ks > 0);
+          } else {
+            Wgmma<64, T>::template mma<0, 0>(score_flat, kmajor_desc(my_q_addr, ks), kmajor_desc(k_addr, ks), ks > 0);
+          }
         }
       };
       // acc += P V of the block in stage st (issued, not waited for).
@@ -628,7 +652,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           release(stage);
           advance();
         }
-        release_q();
+        release_q_after_scores();
       } else if (my_end > b_begin) {
         step_scores_and_pv(false);
         wgmma_wait<0>();
@@ -661,7 +685,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           prev_phase = phase;
           advance();
         }
-        release_q();  // every S of the tile is done
+        release_q_after_scores();  // every S of the tile is done
         mbar_wait(&v_full[prev_stage], prev_phase);
         turn_sync();
         wgmma_fence();
@@ -672,7 +696,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         fence_accumulators(acc_flat);
         release(prev_stage);
       } else {
-        release_q();
+        release_q_after_scores();
         turn_sync();  // the turn of the final P V
         turn_pass();
       }
