@@ -194,7 +194,7 @@ __device__ __forceinline__ void store_rows_swizzled(uint8_t* dst, int tid, Src&&
     const int r = i / CHUNKS, c = i % CHUNKS;
     const uint4* s = src(r);
     const uint4 val = s != nullptr ? s[c] : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(dst + (c / 8) * kBoxBytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)) = val;
+    *reinterpret_cast<uint4*>(dst + swizzled_chunk_offset(r, c / 8, c % 8)) = val;
   }
 }
 #endif

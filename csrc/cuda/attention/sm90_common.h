@@ -28,6 +28,12 @@ static_assert(kBoxRows == kAttentionKvBlock, "a box holds one KV block");
 // The exact kernels' scratch for one k16 chunk of one box (rs_product_by_cuts).
 constexpr int kCutBoxBytes = 16 * kSwizzleRowBytes;
 
+// Byte offset of the 16-byte chunk `chunk` (0..7) of row `row` (0..63) of box `box` in a stack of
+// boxes, as the 128-byte swizzle stores it: the chunk's place within the row XOR row % 8.
+__host__ __device__ constexpr int swizzled_chunk_offset(int row, int box, int chunk) {
+  return box * kBoxBytes + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16);
+}
+
 // Arrivals per consumer warpgroup on a ring stage's "empty" barrier. The EXACT kernels also read
 // ring rows with ordinary loads (rs_product_by_cuts): there every thread arrives after its own
 // reads, so each read is ordered before the producer's next writes to the stage by the reading

@@ -140,7 +140,7 @@ __device__ __forceinline__ void load_q_rows(uint32_t c_q_addr, const T* q, const
     const int row = c_row0 + r;
     const int64_t qi = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
     const bool in_range = row < rows;
-    cp_async_16_zfill(c_q_addr + (ch / 8) * kBoxBytes + r * 128 + (((ch % 8) ^ (r % 8)) * 16),
+    cp_async_16_zfill(c_q_addr + swizzled_chunk_offset(r, ch / 8, ch % 8),
                       in_range ? q + q_base + qi * p.q_stride_token + h * p.q_stride_head + ch * 8 : q,
                       in_range ? 16 : 0);
   }
@@ -525,8 +525,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           const int quad = lane / 8, r = warp * 16 + 8 * (quad & 1) + lane % 8;
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks) {
-            const int chunk = (ks % 4) * 2 + (quad >> 1);  // 16-byte chunk of the 128-byte row
-            ldmatrix_x4<false>(qa[ks], my_q_addr + (ks / 4) * kBoxBytes + r * 128 + ((chunk ^ (r % 8)) * 16));
+            // k16 chunk ks is 16-byte chunks 2 ks (lanes 0..15) and 2 ks + 1 (lanes 16..31).
+            ldmatrix_x4<false>(qa[ks], my_q_addr + swizzled_chunk_offset(r, ks / 4, (ks % 4) * 2 + (quad >> 1)));
           }
           named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);  // every read done
           release_q();
