@@ -525,7 +525,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           const int quad = lane / 8, r = warp * 16 + 8 * (quad & 1) + lane % 8;
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks) {
-            // k16 chunk ks is 16-byte chunks 2 ks (lanes 0..15) and 2 ks + 1 (lanes 16..31).
+            // k16 chunk ks: box ks / 4, 16-byte chunks 2 (ks % 4) (lanes 0..15) and + 1 (lanes 16..31).
             ldmatrix_x4<false>(qa[ks], my_q_addr + swizzled_chunk_offset(r, ks / 4, (ks % 4) * 2 + (quad >> 1)));
           }
           named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);  // every read done
