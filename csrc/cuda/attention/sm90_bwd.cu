@@ -178,7 +178,7 @@ __device__ __forceinline__ void rs_block_product(float (&acc)[D / 2], const uint
 // A consumer's release of its ring stage (kStageReleaseArrivals), then the next stage.
 template <int STAGES, bool EXACT>
 __device__ __forceinline__ void release_and_advance(uint64_t* empty, int tid, int& stage, uint32_t& phase) {
-  if (EXACT || tid == 0) mbar_arrive(&empty[stage]);
+  if (arrives_on_stage_release<EXACT>(tid)) mbar_arrive(&empty[stage]);
   if (++stage == STAGES) {
     stage = 0;
     phase ^= 1;

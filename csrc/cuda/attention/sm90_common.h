@@ -38,9 +38,16 @@ __host__ __device__ constexpr int swizzled_chunk_offset(int row, int box, int ch
 // ring rows with ordinary loads (rs_product_by_cuts): there every thread arrives after its own
 // reads, so each read is ordered before the producer's next writes to the stage by the reading
 // thread's own release (the order compute-sanitizer's racecheck follows). The fast kernels read
-// the ring through wgmma only: one arrive after the warpgroup's wait.
+// the ring through wgmma only: one arrive per warp (lane 0), after that warp's own wait on the
+// stage's "full" barrier. A single arrive per warpgroup is not enough where a warpgroup skips a
+// block's products (no wgmma gathers its warps): the producer could then refill the stage twice
+// before a lagging warp's wait, which would wait on the wrong phase forever.
 template <bool EXACT>
-constexpr int kStageReleaseArrivals = EXACT ? kWarpgroupThreads : 1;
+constexpr int kStageReleaseArrivals = EXACT ? kWarpgroupThreads : kWarpgroupThreads / 32;
+template <bool EXACT>
+__device__ __forceinline__ bool arrives_on_stage_release(int tid) {
+  return EXACT || tid % 32 == 0;
+}
 
 // How a dense operand [.., tokens, heads, d] (token-major: packed, or a batch stored so) or
 // [.., heads, tokens, d] (head-major: a padded batch, the KV cache) is read through a 3-D tensor

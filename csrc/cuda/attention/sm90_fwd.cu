@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     }
   };
   auto release = [&](int s) {
-    if (EXACT || tid == 0) mbar_arrive(&kv_empty[s]);
+    if (arrives_on_stage_release<EXACT>(tid)) mbar_arrive(&kv_empty[s]);
   };
 
   uint32_t q_phase = 0;
