@@ -27,7 +27,9 @@ in the CSV as the row of mode "default_path" whose metric is the path). On a GPU
 path every row also times ours with RL_ENGINE_EXT_ATTENTION_PATH=sm80 (provider
 "rl_engine_ext_sm80", printed "ours_sm80") A-B-B-A against the default (ratio_vs_rl_engine_ext_sm80:
 sm80's time / the default's) and against the row's fastest reference (its ratio_vs_best, judged by
-the same targets).
+the same targets). On sm90 each fwd+bwd row also times the backward's two dQ forms, each forced
+with RL_ENGINE_EXT_ATTENTION_DQ: "rl_engine_ext_dq_ordered" against "rl_engine_ext_dq_recompute"
+(ratio_vs_rl_engine_ext_dq_recompute: the recompute's time / the ordered form's).
 GPU time per call from triton's do_bench (L2 flushed). Prints one line per (row, reference) with
 both pair ratios and PASS/MISS per target (never asserts). --quick: tiny shapes (CPU smoke test).
 """
@@ -49,16 +51,17 @@ from benchmarks.common import (  # noqa: E402
 HQ, HKV = 32, 8
 PATH_ENV = "RL_ENGINE_EXT_ATTENTION_PATH"
 FORCED_PATH = "sm80"
+DQ_ENV = "RL_ENGINE_EXT_ATTENTION_DQ"
 
 
-def on_path(path: str | None, fn):
-    """fn with PATH_ENV=path (None: unset, the default path) set at every call: the library reads
-    the variable at each call, and A-B-B-A interleaves this side with the other."""
+def on_path(path: str | None, fn, env: str = PATH_ENV):
+    """fn with env=path (None: unset, the default) set at every call: the library reads the
+    variable at each call, and A-B-B-A interleaves this side with the other."""
     def run():
         if path is None:
-            os.environ.pop(PATH_ENV, None)
+            os.environ.pop(env, None)
         else:
-            os.environ[PATH_ENV] = path
+            os.environ[env] = path
         return fn()
 
     return run
@@ -243,6 +246,17 @@ def main() -> int:
                lambda fn, kk, vv: (lambda: fn(q, kk, vv)), flops=flops)
         record("fwd+bwd", (batch, s), shape, fwd_bwd(rl_engine_ext.attention, q, k, v, dout), q, k, v, True,
                lambda fn, kk, vv: fwd_bwd(fn, q, kk, vv, dout), flops=3.5 * flops)
+        if path == "sm90":
+            # The sm90 backward's two dQ forms (the same bits), each forced: by ordered turns inside
+            # the dK/dV kernel (the default up to 1024 keys) against the dQ kernel's recompute.
+            ours_fb = fwd_bwd(rl_engine_ext.attention, q, k, v, dout)
+            ordered, recompute = (on_path(None, on_path(mode, ours_fb, DQ_ENV)) for mode in ("ordered", "recompute"))
+            pair = bench_abba(ordered, recompute, device=device, rep_ms=rep_ms)
+            os.environ.pop(DQ_ENV, None)  # the later rows time the default
+            out.add_pair("attention", shape, "bf16", "fwd+bwd", pair, ours="rl_engine_ext_dq_ordered",
+                         reference="rl_engine_ext_dq_recompute", ratio_metric="ratio_vs_rl_engine_ext_dq_recompute")
+            print(f"{'fwd+bwd':>8} {shape:>24} dQ ordered {pair.ours.median_us:10.1f} us  recompute "
+                  f"{pair.reference.median_us:10.1f} us  ratio {pair.ratio:.3f} (pairs {pair.pairs})", flush=True)
         del q, k, v, dout
         if device == "cuda":
             torch.cuda.empty_cache()

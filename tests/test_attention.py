@@ -616,6 +616,82 @@ def test_default_path_gives_the_sm80_bits_packed(monkeypatch, dtype, head_dim, c
         _assert_equal(got, want, f"default path vs sm80: d{name}")
 
 
+DQ_ENV = "RL_ENGINE_EXT_ATTENTION_DQ"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@tensor_core_dtypes
+def test_sm90_ordered_dq_gives_the_recompute_bits(monkeypatch, dtype, head_dim, causal):
+    """The sm90 backward's dQ by ordered turns of the key tiles (the default) equals the dQ
+    kernel's recompute bit for bit, dK and dV too: packed PATH_LENGTHS (up to 33 key tiles waiting
+    on each other, tails of 1..63 keys whose K rows are another sequence's) and a padded batch
+    (padding rows random: read by no product)."""
+    if not _on_hopper():
+        pytest.skip("the ordered dQ is the sm90 path's (compute capability 9.0)")
+    monkeypatch.delenv(PATH_ENV, raising=False)
+    seqs = _sequences(PATH_LENGTHS, 8, 2, head_dim, dtype, "cuda")
+    (q, k, v, dout), cu = _packed(seqs, "cuda")
+    (pq, pk, pv, pdout), mask = _padded(seqs[:4], 130, [0, 3, 60, 1])
+    # More CTAs (4 kv heads x 4 sequences x 16 key tiles) than one wave holds: tiles wait on CTAs
+    # that started in an earlier wave. Run several times: a hang or a race shows in any of them.
+    g = torch.Generator(device="cuda").manual_seed(7)
+    wave = [torch.randn(4, h, 2048, head_dim, device="cuda", dtype=dtype, generator=g) for h in (16, 4, 4, 16)]
+
+    def run():
+        _, _, packed = _run_varlen(q, k, v, dout, cu, causal)
+        leaves = [t.detach().requires_grad_(True) for t in (pq, pk, pv)]
+        rl_engine_ext.attention(*leaves, mask, causal=causal).backward(pdout)
+        grads = list(packed) + [t.grad for t in leaves]
+        for _ in range(3):
+            leaves = [t.detach().requires_grad_(True) for t in wave[:3]]
+            rl_engine_ext.attention(*leaves, causal=causal).backward(wave[3])
+            grads += [t.grad for t in leaves]
+        return grads
+
+    monkeypatch.setenv(DQ_ENV, "ordered")
+    ordered = run()
+    monkeypatch.setenv(DQ_ENV, "recompute")
+    recompute = run()
+    names = ["dq", "dk", "dv"] + [f"padded d{n}" for n in "qkv"] + [f"wave {i} d{n}" for i in range(3) for n in "qkv"]
+    for name, got, want in zip(names, ordered, recompute, strict=True):
+        _assert_equal(got, want, f"ordered vs recompute: {name}")
+
+
+ORDERED_DQ_MAX_KV_LEN = 1024  # kOrderedDqMaxKvLen (csrc/cuda/attention_kernels.h)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("longest", [ORDERED_DQ_MAX_KV_LEN, ORDERED_DQ_MAX_KV_LEN + 1])
+def test_sm90_default_dq_mode_either_side_of_its_length_threshold(monkeypatch, longest):
+    """The default backward takes the ordered dQ up to the threshold's longest sequence and the
+    recompute past it: either way the recompute's bits (packed, causal, bf16 d128)."""
+    if not _on_hopper():
+        pytest.skip("the ordered dQ is the sm90 path's (compute capability 9.0)")
+    monkeypatch.delenv(PATH_ENV, raising=False)
+    seqs = _sequences([longest, 300, 65], 8, 2, 128, torch.bfloat16, "cuda")
+    (q, k, v, dout), cu = _packed(seqs, "cuda")
+    monkeypatch.delenv(DQ_ENV, raising=False)
+    default = _run_varlen(q, k, v, dout, cu, True)[2]
+    monkeypatch.setenv(DQ_ENV, "recompute")
+    recompute = _run_varlen(q, k, v, dout, cu, True)[2]
+    for name, got, want in zip(["dq", "dk", "dv"], default, recompute, strict=True):
+        _assert_equal(got, want, f"default vs recompute: {name}")
+
+
+@pytest.mark.cuda
+def test_unknown_dq_mode_is_an_error(monkeypatch):
+    if not _on_hopper():
+        pytest.skip("the dQ mode is read by the sm90 backward only")
+    monkeypatch.setenv(DQ_ENV, "atomic")
+    monkeypatch.delenv(PATH_ENV, raising=False)
+    q = torch.randn(1, 2, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = rl_engine_ext.attention(q, q, q)
+    with pytest.raises(ValueError, match=DQ_ENV):
+        out.backward(torch.ones_like(out))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("n", [1, 7], ids=["decode", "chunk7"])
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -67,9 +67,27 @@ gpuError_t attention_fwd_sm80(DType dtype, const AttentionProblem& p, const Atte
                               gpuStream_t stream);
 gpuError_t attention_fwd_simt(DType dtype, const AttentionProblem& p, gpuStream_t stream);
 
+// The sm90 backward's ordered dQ (attention/sm90_bwd.cu): dq_accum, fp32 [rows][head_dim], the
+// running dQ sums of query blocks between key tiles (row = one lse element, LSE index order; no
+// initial value needed); turns, int32 [1 + rows], zeros before the launch: a CTA ticket counter,
+// then a turn counter per row (a query block's first row holds its block's). Null: the dQ kernel
+// recomputes instead (the same bits).
+struct AttentionBwdWorkspace {
+  float* dq_accum = nullptr;
+  int32_t* turns = nullptr;
+  int64_t rows = 0;
+};
+// The longest sequence (keys) whose backward takes the ordered dQ by default. A key tile waits for
+// its predecessor's turn on every query block, so the tiles of a sequence advance at tile 0's pace,
+// and the ordered form loses where a sequence has many tiles. On the H100 (fwd+bwd, 32/8 heads,
+// d128, causal; the recompute's time / the ordered form's): 1.26 at 16 x 512, 1.09 at 8 x 1024,
+// 0.98 at 4 x 2048, 0.90 at 2 x 4096, 0.93 at 1 x 16384 (docs/perf/gpu_issue36.txt, runs 22-23).
+constexpr int64_t kOrderedDqMaxKvLen = 1024;
+
 // Backward (q_len == kv_len for every sequence): writes delta, then dq, dk, dv for every token of
 // every sequence.
-gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
+gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& p, const AttentionBwdWorkspace& w,
+                              gpuStream_t stream);
 gpuError_t attention_bwd_sm80(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& p, gpuStream_t stream);
 

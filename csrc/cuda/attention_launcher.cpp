@@ -111,7 +111,25 @@ struct CudaBackend {
     note_gpu_kernel("attention_bwd", path_name(path));
     gpuError_t err;
     switch (path) {
-      case AttentionPath::kSm90: err = attention_bwd_sm90(kernel_dtype(dtype), p, stream); break;
+      case AttentionPath::kSm90: {
+        // dQ by ordered turns where no sequence has more than kOrderedDqMaxKvLen keys (its
+        // workspace: rows = lse elements = q elements / head_dim in every layout), else recomputed
+        // by the dQ kernel: the same bits. RL_ENGINE_EXT_ATTENTION_DQ=ordered|recompute forces one.
+        const int forced = forced_path_index(op, "RL_ENGINE_EXT_ATTENTION_DQ", {"ordered", "recompute"});
+        const bool ordered = forced == 0 || (forced < 0 && p.fwd.max_kv_len <= kOrderedDqMaxKvLen);
+        at::Tensor dq_accum, turns;
+        AttentionBwdWorkspace w;
+        if (ordered) {
+          const int64_t rows = t.numel() / p.fwd.head_dim;
+          dq_accum = at::empty({rows * p.fwd.head_dim}, t.options().dtype(at::kFloat));
+          turns = at::zeros({1 + rows}, t.options().dtype(at::kInt));
+          w.dq_accum = dq_accum.mutable_data_ptr<float>();
+          w.turns = turns.mutable_data_ptr<int32_t>();
+          w.rows = rows;
+        }
+        err = attention_bwd_sm90(kernel_dtype(dtype), p, w, stream);
+        break;
+      }
       case AttentionPath::kSm80: err = attention_bwd_sm80(kernel_dtype(dtype), p, stream); break;
       default: err = attention_bwd_simt(kernel_dtype(dtype), p, stream); break;
     }

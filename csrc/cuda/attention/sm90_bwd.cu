@@ -12,6 +12,9 @@
 //          as in the forward): consumer c owns rows 64 c ..; the producer streams 64-key K/V blocks.
 //          Per block: S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K (RS, 4 k16 key
 //          chunks); dQ *= scale at the end.
+//   dQ, ordered (the default where no sequence has more than kOrderedDqMaxKvLen keys): no dQ
+//          kernel; inside dK/dV each block's dS goes to shared memory and the block's dQ rows take
+//          dQ += dS K from the key tiles in increasing order, by turns (ORDERED_DQ below).
 // Every per-element step is the sm80 kernels' (same rounding intrinsics, same k16 chunk orders,
 // same skipped / masked pairs), and wgmma rounds as mma.sync does: the bits are the sm80
 // backward's (delta is the sm80 path's own kernel).
@@ -51,16 +54,28 @@ struct BwdConfig {
   // or K and V).
   static constexpr int RESIDENT_BYTES = 2 * CONSUMERS * TILE_BYTES;
   static constexpr int STAGE_BYTES = 2 * TILE_BYTES;
-  static constexpr int BARRIERS = 2 * STAGES + 3;  // full, empty per stage; resident ready, tail, resident free
+  // full, empty per stage; resident ready, tail, resident free; the ordered dQ's sums loaded, read,
+  // stored
+  static constexpr int BARRIERS = 2 * STAGES + 6;
   static constexpr int SMEM_BYTES = 1024 + RESIDENT_BYTES + STAGES * STAGE_BYTES + BARRIERS * 8;
-  // EXACT: a cut scratch per consumer (sm90_cuts.h), 1024 bytes past the ring (after the barriers).
-  static constexpr int EXACT_SMEM_BYTES = 1024 + RESIDENT_BYTES + STAGES * STAGE_BYTES + 1024 +
-                                          CONSUMERS * D_BOXES * kCutBoxBytes;
-  static_assert(BARRIERS * 8 <= 1024, "barriers before the cut scratch");
+  // 1024 bytes past the ring (after the barriers), the EXACT kernels keep a cut scratch per consumer
+  // (rs_product_by_cuts) and the ordered dQ its dS tiles, [2 buffers][consumer] 64 keys x 64
+  // queries, then a query block's fp32 dQ sums as TMA boxes of 64 rows x 32 columns.
+  static constexpr int SCRATCH_OFFSET = RESIDENT_BYTES + STAGES * STAGE_BYTES + 1024;
+  static constexpr int EXACT_SMEM_BYTES = 1024 + SCRATCH_OFFSET + CONSUMERS * D_BOXES * kCutBoxBytes;
+  static constexpr int DS_BYTES = 2 * CONSUMERS * kBoxBytes;
+  static constexpr int ACC_BOX_COLUMNS = kSwizzleRowBytes / 4;  // fp32 columns per 128-byte box row
+  static constexpr int ACC_BYTES = kTileRows * HEAD_DIM * 4;
+  static constexpr int ORDERED_SMEM_BYTES = 1024 + SCRATCH_OFFSET + DS_BYTES + ACC_BYTES;
+  static_assert(BARRIERS * 8 <= 1024, "barriers before the scratch");
+  // The ordered dQ: consumer c < DQ_WORKERS owns dQ's columns 64 c .. 64 c + 63 (one box).
+  static constexpr int DQ_WORKERS = D_BOXES;
+  static_assert(DQ_WORKERS <= CONSUMERS, "a dQ box per consumer at most");
 };
 
 #ifdef RL_ALIGN_SM90A_DEVICE
-constexpr int kConsumerBar = 1;
+constexpr int kConsumerBar = 1;  // + consumer: one warpgroup's named barrier
+constexpr int kDsReadyBar = 3;   // the ordered dQ: both consumers' dS tiles are stored
 
 template <int D>
 __device__ __forceinline__ uint64_t kmajor_desc(uint32_t base, int ks) {
@@ -125,12 +140,13 @@ struct PairRingProducer {
 // Both kernels' shared memory, from the dynamic allocation aligned up to 1024 bytes: two resident
 // tiles per consumer ([consumer][64 rows][D] each: K and V for dK/dV, Q and dO for dQ), the ring
 // of two-tile stages (Q and dO, or K and V), the barriers (full, empty per stage; resident ready,
-// tail, resident free), then (EXACT) a cut scratch per consumer 1024 bytes past the ring.
+// tail, resident free), then the scratch 1024 bytes past the ring (BwdConfig::SCRATCH_OFFSET).
 template <typename Cfg>
 struct BwdSmem {
   uint8_t *resident_a, *resident_b, *ring;
   uint64_t *full, *empty, *resident_ready, *tail, *resident_free;
-  uint8_t* cut_scratch;
+  uint64_t *acc_full, *acc_empty, *acc_stored;
+  uint8_t* scratch;
   __device__ __forceinline__ explicit BwdSmem(uint8_t* smem_raw) {
     uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
     resident_a = smem;
@@ -141,13 +157,16 @@ struct BwdSmem {
     resident_ready = empty + Cfg::STAGES;
     tail = resident_ready + 1;
     resident_free = tail + 1;
-    cut_scratch = ring + Cfg::STAGES * Cfg::STAGE_BYTES + 1024;
+    acc_full = resident_free + 1;
+    acc_empty = acc_full + 1;
+    acc_stored = acc_empty + 1;
+    scratch = smem + Cfg::SCRATCH_OFFSET;
   }
   __device__ __forceinline__ uint8_t* stage_a(int s) const { return ring + s * Cfg::STAGE_BYTES; }
   __device__ __forceinline__ uint8_t* stage_b(int s) const { return ring + s * Cfg::STAGE_BYTES + Cfg::TILE_BYTES; }
   // By thread 0, then the CTA syncs; the resident barriers only where the producer loads the
-  // resident tiles (dK/dV: the consumers of dQ store theirs).
-  template <bool EXACT, bool RESIDENT_LOADED>
+  // resident tiles (dK/dV: the consumers of dQ store theirs), the accumulators' for the ordered dQ.
+  template <bool EXACT, bool RESIDENT_LOADED, bool ORDERED_DQ = false>
   __device__ __forceinline__ void init_barriers() const {
     if (threadIdx.x == 0) {
       for (int s = 0; s < Cfg::STAGES; ++s) {
@@ -157,6 +176,11 @@ struct BwdSmem {
       if (RESIDENT_LOADED) mbar_init(resident_ready, 1);
       mbar_init(tail, 1);
       if (RESIDENT_LOADED) mbar_init(resident_free, Cfg::CONSUMERS);
+      if (ORDERED_DQ) {
+        mbar_init(acc_full, 1);
+        mbar_init(acc_empty, Cfg::DQ_WORKERS * kWarpgroupThreads);
+        mbar_init(acc_stored, Cfg::DQ_WORKERS * kWarpgroupThreads);
+      }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -173,6 +197,81 @@ __device__ __forceinline__ void rs_block_product(float (&acc)[D / 2], const uint
   wgmma_commit();
   wgmma_wait<0>();
   fence_accumulators(acc);
+}
+
+// The ordered dQ's turn counters: read with acquire, advanced with release (gpu scope), so the
+// sums stored before an advance are seen by the tile that reads the new value.
+__device__ __forceinline__ int ld_acquire_gpu(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int32_t* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Key tile `tile`'s turn on dQ box `box` (columns 64 box ..) of a query block, by consumer `box`,
+// once the dQ loader has put the sums of tiles 0 .. tile-1 in acc_tile (TMA boxes of 64 rows x 32
+// fp32 columns, 128-byte swizzle; first: tile 0, the sums start at +0): acc += dS K over both
+// consumers' 64-key blocks in increasing k16 chunks (ds_tiles: the dS tiles, MN-major; k_tiles: the
+// resident K); then the sums go to dq_accum for the next tile (the dQ releaser passes the turn on)
+// or, on the block's last tile, rounded into dq (scale applied). acc_empty: arrived on once
+// acc_tile is read. block_row: the block's first lse element (its row in dq_accum); dq_offset: its
+// first dq element; rows: its queries (those past are not touched). Returns whether a dq element it
+// wrote is not finite.
+template <typename T, typename Cfg>
+__device__ __forceinline__ bool ordered_dq_turn(const AttentionGradProblem& gp, const AttentionBwdWorkspace& w,
+                                                const uint8_t* ds_tiles, const uint8_t* k_tiles, const uint8_t* acc_tile,
+                                                uint64_t* acc_empty, int64_t block_row, int64_t dq_offset, int rows,
+                                                bool first, bool last, int box, int tid) {
+  constexpr int D = Cfg::HEAD_DIM;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  float acc[32];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = warp * 16 + g + 8 * hh;
+#pragma unroll
+    for (int dn = 0; dn < 8; ++dn) {
+      // Column 64 box + 8 dn + 2 t: TMA box 2 box + dn / 4, its 16-byte chunk 2 (dn % 4) + t / 2.
+      const int offset = swizzled_chunk_offset(row, 2 * box + dn / 4, 2 * (dn % 4) + t / 2) + 8 * (t % 2);
+      const float2 v = first ? make_float2(0.f, 0.f) : *reinterpret_cast<const float2*>(acc_tile + offset);
+      acc[dn * 4 + 2 * hh] = v.x;
+      acc[dn * 4 + 2 * hh + 1] = v.y;
+    }
+  }
+  mbar_arrive(acc_empty);
+  wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < Cfg::CONSUMERS; ++c) {
+    const uint32_t ds_addr = smem_addr(ds_tiles + c * kBoxBytes);
+    const uint32_t k_addr = smem_addr(k_tiles + c * Cfg::TILE_BYTES + box * kBoxBytes);
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) Wgmma<64, T>::template mma<1, 1>(acc, mn_desc(ds_addr, kc), mn_desc(k_addr, kc), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+  const AttentionProblem& p = gp.fwd;
+  float* accum = w.dq_accum + block_row * D + box * kBoxElems + 2 * t;  // + row * D + 8 dn
+  T* dq = static_cast<T*>(gp.dq) + dq_offset + box * kBoxElems + 2 * t;  // + row * q_stride_token + 8 dn
+  bool nonfinite = false;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = warp * 16 + g + 8 * hh;
+    if (row >= rows) continue;
+#pragma unroll
+    for (int dn = 0; dn < 8; ++dn) {
+      const float a0 = acc[dn * 4 + 2 * hh], a1 = acc[dn * 4 + 2 * hh + 1];
+      if (!last) {
+        __stcg(reinterpret_cast<float2*>(accum + row * D + dn * 8), make_float2(a0, a1));
+      } else {
+        const float s0 = __fmul_rn(a0, p.scale), s1 = __fmul_rn(a1, p.scale);
+        nonfinite = nonfinite || !isfinite(s0) || !isfinite(s1);
+        *reinterpret_cast<uint32_t*>(dq + row * p.q_stride_token + dn * 8) = pack_rounded<T>(s0, s1);
+      }
+    }
+  }
+  return nonfinite;
 }
 
 // A consumer's release of its ring stage (kStageReleaseArrivals), then the next stage.
@@ -206,12 +305,26 @@ __device__ __forceinline__ void store_rows_swizzled(uint8_t* dst, int tid, Src&&
 // EXACT (both kernels): the recompute launch after a fast one flagged a non-finite gradient; on
 // the causal diagonal the dV, dK (dQ) products run by cuts (rs_product_by_cuts), so that a masked
 // pair's non-finite partner row (dO_i, q_i; k_j) reaches no gradient row that may not see it.
-template <typename T, typename Cfg, bool EXACT>
+//
+// ORDERED_DQ (fast kernel only): dQ too, without the dQ kernel's recompute of S, P and dP. The dS
+// tile of each (head, query block) goes to shared memory, and its dQ rows take dQ += dS K from the
+// key tiles in increasing order by turns: key tile t continues the chain on the fp32 sums tiles
+// 0 .. t-1 left in w.dq_accum and stores them back (the last tile rounds them into dq). The chain
+// is the dQ kernel's (the same k16 chunks in the same order on the same fp32 accumulators), so the
+// bits are too. Two producer warps keep the turns off the consumers' path: the loader waits for the
+// block's turn (w.turns reaching t) and TMA-loads the sums; the releaser advances the turn once the
+// consumers have stored theirs. A CTA takes its (tile, sequence, kv head) from a ticket drawn when
+// it starts, tile-major, so every tile it waits for belongs to a CTA that started before it: no
+// wait on a CTA that cannot be scheduled.
+template <typename T, typename Cfg, bool EXACT, bool ORDERED_DQ>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap do_map,
                                    const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                                   const OperandMap q_at, const OperandMap kv_at, const AttentionGradProblem gp, int group, float scale_log2) {
+                                   const __grid_constant__ CUtensorMap acc_map, const OperandMap q_at,
+                                   const OperandMap kv_at, const AttentionGradProblem gp, const AttentionBwdWorkspace w,
+                                   int group, float scale_log2) {
 #ifdef RL_ALIGN_SM90A_DEVICE
+  static_assert(!(EXACT && ORDERED_DQ), "the EXACT recompute runs the dQ kernel");
   constexpr int D = Cfg::HEAD_DIM, STAGES = Cfg::STAGES, KEYS = Cfg::ROWS;
   const AttentionProblem& p = gp.fwd;
   extern __shared__ uint8_t smem_raw[];
@@ -221,10 +334,30 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   uint64_t *kv_ready = sm.resident_ready, *kv_free = sm.resident_free;
   auto q_stage = [&](int s) { return sm.stage_a(s); };
   auto do_stage = [&](int s) { return sm.stage_b(s); };
-  sm.template init_barriers<EXACT, true>();
+  __shared__ int ticket;
+  if (ORDERED_DQ && threadIdx.x == 0) ticket = atomicAdd(w.turns, 1);
+  sm.template init_barriers<EXACT, true, ORDERED_DQ>();
+  uint8_t* acc_tile = sm.scratch + Cfg::DS_BYTES;  // the ordered dQ's sums of the earlier key tiles
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  const int kv_head = static_cast<int>(blockIdx.x);
+  // The (kv head, sequences, key tiles) walked: one of each from the ticket (ORDERED_DQ), else
+  // grid-stride from the block index.
+  int kv_head, tile0, tile_step;
+  int64_t seq0, seq_step;
+  if constexpr (ORDERED_DQ) {
+    const int64_t heads_seqs = p.heads_kv * p.num_seqs;
+    tile0 = static_cast<int>(ticket / heads_seqs);
+    seq0 = ticket % heads_seqs / p.heads_kv;
+    kv_head = static_cast<int>(ticket % p.heads_kv);
+    seq_step = p.num_seqs;
+    tile_step = 1 << 30;
+  } else {
+    kv_head = static_cast<int>(blockIdx.x);
+    seq0 = blockIdx.y;
+    seq_step = gridDim.y;
+    tile0 = static_cast<int>(blockIdx.z);
+    tile_step = static_cast<int>(gridDim.z);
+  }
   // Key tile `tile` of a sequence, the same for both roles: keys key0 .. key0 + KEYS - 1, seen by
   // the query blocks first_qb .. first_qb + q_blocks - 1 of each head (causal: none before).
   struct KeyTile {
@@ -235,15 +368,67 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int first_qb = p.causal && key0 > first_pos ? (key0 - first_pos) / kTileRows : 0;
     return KeyTile{key0, first_qb, (q_len + kTileRows - 1) / kTileRows - first_qb};
   };
+  // The last key tile a query block's dQ takes from (its last query's last key).
+  auto last_key_tile = [&](int qstart, int key_tiles, int first_pos) {
+    return p.causal ? min(key_tiles - 1, (first_pos + qstart + kTileRows - 1) / KEYS) : key_tiles - 1;
+  };
 
   if (warpgroup == 0) {
+    // 24 + 2 x 240 registers per thread slot: the 168 x 384 the launch holds.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
-    if (threadIdx.x >= 32) return;
-    const int lane = static_cast<int>(threadIdx.x);
+    const int warp = uniform(static_cast<int>(threadIdx.x) / 32), lane = static_cast<int>(threadIdx.x) % 32;
+    if (ORDERED_DQ && (warp == 1 || warp == 2)) {
+      // The ordered dQ's loader (warp 1: once the block's turn has come, TMA-loads the earlier
+      // tiles' sums) and releaser (warp 2: passes the turn on once the consumers stored theirs),
+      // off the consumers' path. The same blocks in the same order as the consumers. Lane 0
+      // alone: a lane left behind by one that spins on the turn could miss a phase of acc_empty.
+      if (lane != 0) return;
+      uint32_t phase = 0;
+      for (int64_t s = seq0; s < p.num_seqs; s += seq_step) {
+        const AttentionSeq sq = attention_seq(p, s);
+        const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
+        if (q_len <= 0) continue;
+        const int first_pos = kv_len - q_len;
+        const int key_tiles = (kv_len + KEYS - 1) / KEYS;
+        for (int tile = tile0; tile < key_tiles; tile += tile_step) {
+          const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
+          for (int it = 0; it < group * q_blocks; ++it) {
+            const int head = kv_head * group + it / q_blocks;
+            const int qstart = (first_qb + it % q_blocks) * kTileRows;
+            const int64_t block_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + qstart;
+            int32_t* turn = w.turns + 1 + block_row;
+            if (warp == 1) {
+              mbar_wait(sm.acc_empty, phase ^ 1);  // the consumers have read the previous sums
+              if (tile > 0) {
+                while (ld_acquire_gpu(turn) != tile) {
+                }
+                asm volatile("fence.proxy.async.global;" ::: "memory");  // the sums, to the TMA's reads
+                mbar_arrive_expect_tx(sm.acc_full, Cfg::ACC_BYTES);
+                for (int b = 0; b < D / Cfg::ACC_BOX_COLUMNS; ++b) {
+                  tma_load_2d(acc_tile + b * kBoxBytes, &acc_map, sm.acc_full, b * Cfg::ACC_BOX_COLUMNS,
+                              static_cast<int>(block_row));
+                }
+              } else {
+                mbar_arrive(sm.acc_full);  // tile 0: the sums start at +0
+              }
+            } else {
+              mbar_wait(sm.acc_stored, phase);
+              if (tile < last_key_tile(qstart, key_tiles, first_pos)) {
+                __threadfence();
+                red_release_gpu_add(turn, 1);
+              }
+            }
+            phase ^= 1;
+          }
+        }
+      }
+      return;
+    }
+    if (warp != 0) return;
     PairRingProducer<STAGES, Cfg::D_BOXES> qdo_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                     sm.full, sm.empty, sm.tail};
     uint32_t kv_phase = 0;
-    for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
+    for (int64_t s = seq0; s < p.num_seqs; s += seq_step) {
       const AttentionSeq sq = attention_seq(p, s);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
       if (q_len <= 0) continue;
@@ -252,7 +437,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       int q_c1, q_c2, kv_c1, kv_c2;  // map coordinates of the sequence's token 0, head 0
       q_at.coords(sq.q_base, 0, 0, q_c1, q_c2);
       kv_at.coords(sq.kv_base, 0, 0, kv_c1, kv_c2);
-      for (int tile = static_cast<int>(blockIdx.z); tile < key_tiles; tile += static_cast<int>(gridDim.z)) {
+      for (int tile = tile0; tile < key_tiles; tile += tile_step) {
         const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
         // K, V of the tile, once both consumers are done with the previous tile's (kv_free).
         mbar_wait(kv_free, kv_phase ^ 1);
@@ -288,19 +473,20 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   T* __restrict__ dv = static_cast<T*>(gp.dv);
   const uint32_t my_k = smem_addr(k_tile + consumer * Cfg::TILE_BYTES);
   const uint32_t my_v = smem_addr(v_tile + consumer * Cfg::TILE_BYTES);
-  int stage = 0;
-  uint32_t phase = 0, kv_phase = 0;
+  int stage = 0, ds_buffer = 0;
+  uint32_t phase = 0, kv_phase = 0, acc_phase = 0;
 
-  for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
+  for (int64_t s = seq0; s < p.num_seqs; s += seq_step) {
     const AttentionSeq sq = attention_seq(p, s);
     const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
     if (q_len <= 0) continue;
     const int first_pos = kv_len - q_len;
     const int key_tiles = (kv_len + KEYS - 1) / KEYS;
-    for (int tile = static_cast<int>(blockIdx.z); tile < key_tiles; tile += static_cast<int>(gridDim.z)) {
+    for (int tile = tile0; tile < key_tiles; tile += tile_step) {
       const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
       const int my_key0 = key0 + consumer * kTileRows;
       const int warp_key0 = my_key0 + warp * 16;
+      bool nonfinite = false;
       float dk_acc[1][D / 8][4], dv_acc[1][D / 8][4];
 #pragma unroll
       for (int dn = 0; dn < D / 8; ++dn) {
@@ -311,18 +497,26 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       float(&dv_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv_acc[0][0][0]);
       mbar_wait(kv_ready, kv_phase);
       kv_phase ^= 1;
+      if (ORDERED_DQ && my_key0 + kTileRows > kv_len) {
+        // The ordered dQ multiplies the whole K tile by dS: its rows past kv_len (another
+        // sequence's keys) become zeros, as the dQ kernel's zero fill (their dS is +0).
+        if (warp == 0) zero_rows(k_tile + consumer * Cfg::TILE_BYTES, Cfg::D_BOXES, my_key0 < kv_len ? kv_len - my_key0 : 0, lane);
+        named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);
+      }
 
       for (int it = 0; it < group * q_blocks; ++it) {
         const int head = kv_head * group + it / q_blocks;
         const int qstart = (first_qb + it % q_blocks) * kTileRows;
+        const int64_t lse_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head;
+        uint8_t* my_ds = sm.scratch + (ds_buffer * Cfg::CONSUMERS + consumer) * kBoxBytes;
         mbar_wait(&sm.full[stage], phase);
         // A warpgroup whose keys all come after the block's last query (causal), or lie past
-        // kv_len, would only add exact zeros / unused values: skipped (released only).
+        // kv_len, would only add exact zeros / unused values: skipped (released only; its dS tile
+        // for the ordered dQ is +0).
         const bool skip = my_key0 >= kv_len || (p.causal && my_key0 > first_pos + qstart + kTileRows - 1);
         if (!skip) {
           const uint32_t q_addr = smem_addr(q_stage(stage)), do_addr = smem_addr(do_stage(stage));
           // lse log2(e) and delta of this thread's query columns qstart + 8 nt + 2 t + e.
-          const int64_t lse_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head;
           float pt[1][8][4];
           float(&pt_flat)[32] = *reinterpret_cast<float(*)[32]>(&pt[0][0][0]);
           wgmma_fence();
@@ -368,7 +562,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           // EXACT on the diagonal: key row r may use the chunk's queries from its own position on.
           const bool cuts = EXACT && p.causal && my_key0 + kTileRows - 1 > first_pos + qstart;
           auto by_cuts = [&](float (&acc)[D / 2], const uint32_t (&a)[4][4], const uint8_t* b_tile) {
-            uint8_t* scratch = sm.cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
+            uint8_t* scratch = sm.scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
 #pragma unroll 1
             for (int kc = 0; kc < 4; ++kc) {
               int count[2];
@@ -410,6 +604,16 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             for (int e = 0; e < 4; ++e) dpt[0][nt][e] = __fmul_rn(pt[0][nt][e], __fsub_rn(dpt[0][nt][e], e % 2 ? d1 : d0));
           }
           if (sub_masked) mask_sub(dpt);
+          if (ORDERED_DQ && my_key0 + kTileRows > kv_len) {
+            // Keys past kv_len: dS = +0 for dQ (their own dK rows are not written).
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                if (warp_key0 + g + 8 * (e / 2) >= kv_len) dpt[0][nt][e] = 0.f;
+              }
+            }
+          }
 #pragma unroll
           for (int kc = 0; kc < 4; ++kc) c_to_a<T>(pa[kc], dpt[0][2 * kc], dpt[0][2 * kc + 1]);
           if (cuts) {
@@ -417,12 +621,42 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           } else {
             rs_block_product<T, D>(dk_flat, pa, q_addr);
           }
+          if constexpr (ORDERED_DQ) {
+            // dS^T as dQ's A operand (queries x keys) stored MN-major: row = key, the 64 queries
+            // along it. Fragment register r of chunk kc: key 16 warp + g + 8 (r % 2), queries
+            // 16 kc + 8 (r / 2) + 2 t, + 1.
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                const int key = warp * 16 + g + 8 * (r % 2);
+                *reinterpret_cast<uint32_t*>(my_ds + swizzled_chunk_offset(key, 0, 2 * kc + r / 2) + 4 * t) = pa[kc][r];
+              }
+            }
+          }
+        } else if (ORDERED_DQ) {
+          for (int i = tid; i < kBoxBytes / 16; i += kWarpgroupThreads) reinterpret_cast<uint4*>(my_ds)[i] = make_uint4(0, 0, 0, 0);
         }
         release_and_advance<STAGES, EXACT>(sm.empty, tid, stage, phase);
+        if constexpr (ORDERED_DQ) {
+          fence_proxy_async();  // the dS tile's stores, to the wgmma's reads
+          named_bar_sync(kDsReadyBar, Cfg::CONSUMERS * kWarpgroupThreads);  // both dS tiles are stored
+          if (consumer < Cfg::DQ_WORKERS) {
+            mbar_wait(sm.acc_full, acc_phase);
+            const int64_t dq_offset = sq.q_base + static_cast<int64_t>(qstart) * p.q_stride_token +
+                                      static_cast<int64_t>(head) * p.q_stride_head;
+            nonfinite |= ordered_dq_turn<T, Cfg>(gp, w, sm.scratch + ds_buffer * Cfg::CONSUMERS * kBoxBytes, k_tile,
+                                                 acc_tile, sm.acc_empty, lse_row + qstart, dq_offset, q_len - qstart,
+                                                 tile == 0, tile == last_key_tile(qstart, key_tiles, first_pos),
+                                                 consumer, tid);
+            mbar_arrive(sm.acc_stored);  // after this thread's stores: the releaser may pass the turn on
+          }
+          acc_phase ^= 1;
+          ds_buffer ^= 1;
+        }
       }
 
       // Epilogue: keys below kv_len; dK = scale * acc and dV rounded once.
-      bool nonfinite = false;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int key = warp_key0 + g + 8 * hh;
@@ -620,7 +854,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           for (int kc = 0; kc < 4; ++kc) c_to_a<T>(dsa[kc], ds[0][2 * kc], ds[0][2 * kc + 1]);
           if (EXACT && p.causal && key0 + kTileRows - 1 > my_first_pos) {
             // Query row r may use the chunk's keys up to its own position.
-            uint8_t* scratch = sm.cut_scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
+            uint8_t* scratch = sm.scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
 #pragma unroll 1
             for (int kc = 0; kc < 4; ++kc) {
               int count[2];
@@ -666,9 +900,23 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 #endif  // RL_ALIGN_SM90A_DEVICE
 }
 
+// The ordered dQ's sums, fp32 [rows][head_dim], as a tensor map of boxes of 64 rows x `columns`
+// (one 128-byte swizzle row); rows past the end read as zeros.
+inline bool encode_dq_accum_map(CUtensorMap* map, float* dq_accum, int64_t rows, int head_dim, int columns) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(head_dim) * 4};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(columns), static_cast<cuuint32_t>(kTileRows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, dq_accum, dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 template <typename T, int D>
-gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const OperandMap& q_at, const OperandMap& kv_at,
-                      gpuStream_t stream) {
+gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const AttentionBwdWorkspace& w,
+                      const OperandMap& q_at, const OperandMap& kv_at, gpuStream_t stream) {
   using Cfg = BwdConfig<D, 2>;
   const AttentionProblem& p = gp.fwd;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -683,36 +931,53 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Operand
     return cudaErrorInvalidValue;
   }
   auto capped = [](int64_t n, int64_t cap) { return static_cast<unsigned>(n < cap ? n : cap); };
-  auto run = [&](auto exact_tag) -> gpuError_t {
-    constexpr bool EXACT = decltype(exact_tag)::value;
-    constexpr int kSmem = EXACT ? Cfg::EXACT_SMEM_BYTES : Cfg::SMEM_BYTES;
-    // The kernels walk sequences and tiles grid-stride. The EXACT launch mostly finds nothing to do
-    // (the status word is 0): a small grid keeps it to a few microseconds.
-    const unsigned seqs = capped(p.num_seqs, EXACT ? 16 : 65535);
-    const dim3 dkdv_grid(static_cast<unsigned>(p.heads_kv), seqs,
-                         EXACT ? 1u : capped(ceil_div(p.max_kv_len, static_cast<int64_t>(Cfg::ROWS)), 65535));
-    const dim3 dq_grid(static_cast<unsigned>(p.heads_kv), seqs,
-                       EXACT ? 1u : capped(ceil_div(p.max_q_len * group, static_cast<int64_t>(Cfg::ROWS)), 65535));
-    auto dkdv = attention_bwd_dkdv_sm90_kernel<T, Cfg, EXACT>;
-    static std::atomic<uint64_t> dkdv_raised{0};
-    gpuError_t e = allow_dynamic_smem(dkdv, kSmem, dkdv_raised);
+  const int64_t key_tiles = ceil_div(p.max_kv_len, static_cast<int64_t>(Cfg::ROWS));
+  // The ordered dQ where its workspace is given and a CTA per item and the sums' rows fit int
+  // coordinates; else the dQ kernel (the same bits).
+  CUtensorMap acc_map{};
+  const bool ordered = w.dq_accum != nullptr && w.turns != nullptr && w.rows <= INT32_MAX &&
+                       p.heads_kv * p.num_seqs * key_tiles <= INT32_MAX &&
+                       encode_dq_accum_map(&acc_map, w.dq_accum, w.rows, D, Cfg::ACC_BOX_COLUMNS);
+  auto dkdv = [&](auto exact_tag, auto ordered_tag) -> gpuError_t {
+    constexpr bool EXACT = decltype(exact_tag)::value, ORDERED_DQ = decltype(ordered_tag)::value;
+    constexpr int kSmem = EXACT ? Cfg::EXACT_SMEM_BYTES : ORDERED_DQ ? Cfg::ORDERED_SMEM_BYTES : Cfg::SMEM_BYTES;
+    // The kernels walk sequences and tiles grid-stride, except the ordered one (a CTA per item).
+    // The EXACT launch mostly finds nothing to do (the status word is 0): a small grid keeps it
+    // to a few microseconds.
+    const dim3 grid = ORDERED_DQ ? dim3(static_cast<unsigned>(p.heads_kv * p.num_seqs * key_tiles))
+                                 : dim3(static_cast<unsigned>(p.heads_kv), capped(p.num_seqs, EXACT ? 16 : 65535),
+                                        EXACT ? 1u : capped(key_tiles, 65535));
+    auto kernel = attention_bwd_dkdv_sm90_kernel<T, Cfg, EXACT, ORDERED_DQ>;
+    static std::atomic<uint64_t> raised{0};
+    const gpuError_t e = allow_dynamic_smem(kernel, kSmem, raised);
     if (e != cudaSuccess) return e;
-    dkdv<<<dkdv_grid, Cfg::THREADS, kSmem, stream>>>(q_map, do_map, k_map, v_map, q_at, kv_at, gp,
-                                                     static_cast<int>(group), scale_log2);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-    auto dq = attention_bwd_dq_sm90_kernel<T, Cfg, EXACT>;
-    static std::atomic<uint64_t> dq_raised{0};
-    e = allow_dynamic_smem(dq, kSmem, dq_raised);
-    if (e != cudaSuccess) return e;
-    dq<<<dq_grid, Cfg::THREADS, kSmem, stream>>>(k_map, v_map, kv_at, gp, static_cast<int>(group), scale_log2);
+    kernel<<<grid, Cfg::THREADS, kSmem, stream>>>(q_map, do_map, k_map, v_map, acc_map, q_at, kv_at, gp, w,
+                                                  static_cast<int>(group), scale_log2);
     return cudaGetLastError();
   };
-  // The fast kernels, then (where keys are masked inside a sequence: causal) the EXACT ones, which
-  // recompute only if a fast one flagged a non-finite gradient.
-  err = run(std::false_type{});
+  auto dq = [&](auto exact_tag) -> gpuError_t {
+    constexpr bool EXACT = decltype(exact_tag)::value;
+    constexpr int kSmem = EXACT ? Cfg::EXACT_SMEM_BYTES : Cfg::SMEM_BYTES;
+    const dim3 grid(static_cast<unsigned>(p.heads_kv), capped(p.num_seqs, EXACT ? 16 : 65535),
+                    EXACT ? 1u : capped(ceil_div(p.max_q_len * group, static_cast<int64_t>(Cfg::ROWS)), 65535));
+    auto kernel = attention_bwd_dq_sm90_kernel<T, Cfg, EXACT>;
+    static std::atomic<uint64_t> raised{0};
+    const gpuError_t e = allow_dynamic_smem(kernel, kSmem, raised);
+    if (e != cudaSuccess) return e;
+    kernel<<<grid, Cfg::THREADS, kSmem, stream>>>(k_map, v_map, kv_at, gp, static_cast<int>(group), scale_log2);
+    return cudaGetLastError();
+  };
+  // The fast kernels, then, where keys are masked inside a sequence (causal), the EXACT ones,
+  // which recompute only if a fast one flagged a non-finite gradient.
+  if (ordered) {
+    err = dkdv(std::false_type{}, std::true_type{});
+  } else {
+    err = dkdv(std::false_type{}, std::false_type{});
+    if (err == cudaSuccess) err = dq(std::false_type{});
+  }
   if (err != cudaSuccess || !p.causal) return err;
-  return run(std::true_type{});
+  err = dkdv(std::true_type{}, std::false_type{});
+  return err != cudaSuccess ? err : dq(std::true_type{});
 }
 
 }  // namespace
@@ -720,7 +985,8 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Operand
 // Problem requirements: the sm80 backward's (attention_bwd_sm80), a status word, and Q, dO, K and V
 // addressable through tensor maps (q_map_problem, kv_map_problem: the launcher sends other layouts
 // to the sm80 path, attention_sm90_layout_problem); cudaErrorInvalidValue otherwise.
-gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& gp, gpuStream_t stream) {
+gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& gp, const AttentionBwdWorkspace& w,
+                              gpuStream_t stream) {
   const AttentionProblem& p = gp.fwd;
   const gpuError_t err = tensor_core_attention_problem_error(dtype, p, p.heads_q);  // delta grid y: query heads
   if (err != cudaSuccess || p.num_seqs == 0 || p.max_q_len == 0) return err;
@@ -734,8 +1000,8 @@ gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& gp, gpuSt
       dtype,
       [&](auto tag) {
         using T = decltype(tag);
-        return p.head_dim == 64 ? launch_bwd<T, 64>(dtype, gp, q_at, kv_at, stream)
-                                : launch_bwd<T, 128>(dtype, gp, q_at, kv_at, stream);
+        return p.head_dim == 64 ? launch_bwd<T, 64>(dtype, gp, w, q_at, kv_at, stream)
+                                : launch_bwd<T, 128>(dtype, gp, w, q_at, kv_at, stream);
       },
       gpu_not_supported);
 }
@@ -745,7 +1011,9 @@ gpuError_t attention_bwd_sm90(DType dtype, const AttentionGradProblem& gp, gpuSt
 #else  // RL_ALIGN_HIP
 
 namespace rl_align {
-gpuError_t attention_bwd_sm90(DType, const AttentionGradProblem&, gpuStream_t) { return RL_GPU(ErrorNotSupported); }
+gpuError_t attention_bwd_sm90(DType, const AttentionGradProblem&, const AttentionBwdWorkspace&, gpuStream_t) {
+  return RL_GPU(ErrorNotSupported);
+}
 }  // namespace rl_align
 
 #endif  // RL_ALIGN_HIP
