@@ -334,6 +334,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   uint64_t *kv_ready = sm.resident_ready, *kv_free = sm.resident_free;
   auto q_stage = [&](int s) { return sm.stage_a(s); };
   auto do_stage = [&](int s) { return sm.stage_b(s); };
+  // The only atomics here count integers: this CTA's ticket (which item it takes, so that it waits
+  // only on CTAs already running) and the turns' red.release. No value is summed by an atomic; each
+  // item's arithmetic is the same whichever CTA draws it.
   __shared__ int ticket;
   if (ORDERED_DQ && threadIdx.x == 0) ticket = atomicAdd(w.turns, 1);
   sm.template init_barriers<EXACT, true, ORDERED_DQ>();
