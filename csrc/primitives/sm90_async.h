@@ -115,6 +115,13 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading, u
          (static_cast<uint64_t>((leading & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((stride & 0x3FFFF) >> 4) << 32) | ((swizzle_64b ? 2ull : 1ull) << 62);
 }
+// smem_desc(addr + offset, ..) from smem_desc(addr, ..), for an offset (a multiple of 16) that
+// keeps the address below 256 KB: only the low word's address field moves, and never carries into
+// the high word. Loops take one descriptor per operand and step it by such offsets; ptxas then
+// adds a constant per wgmma instead of redoing smem_desc's masks and shifts on its path.
+__device__ __forceinline__ uint64_t smem_desc_at(uint64_t desc, uint32_t offset) {
+  return (desc & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + (offset >> 4));
+}
 
 // Generic-proxy shared-memory writes (st.shared) made visible to the async proxy (wgmma, TMA).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }

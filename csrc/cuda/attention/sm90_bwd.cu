@@ -77,14 +77,6 @@ struct BwdConfig {
 constexpr int kConsumerBar = 1;  // + consumer: one warpgroup's named barrier
 constexpr int kDsReadyBar = 3;   // the ordered dQ: both consumers' dS tiles are stored
 
-template <int D>
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t base, int ks) {
-  return smem_desc(base + (ks / 4) * kBoxBytes + (ks % 4) * 32, kBoxBytes, kSwizzleAtomBytes);
-}
-__device__ __forceinline__ uint64_t mn_desc(uint32_t base, int kc) {
-  return smem_desc(base + kc * 16 * 128, kBoxBytes, kSwizzleAtomBytes);
-}
-
 // Zeroes rows [first, 64) of `boxes` 128-byte-swizzle boxes (whole rows: the swizzle permutes
 // within a row), by one warp; then makes the writes visible to the async proxy.
 __device__ __forceinline__ void zero_rows(uint8_t* tile, int boxes, int first, int lane) {
@@ -188,12 +180,12 @@ struct BwdSmem {
 };
 
 // acc += A B over the 4 k16 chunks of a 64-row block in increasing k (A in registers, B the
-// MN-major tile at b_addr), issued and waited for.
+// MN-major tile of descriptor b_tile), issued and waited for.
 template <typename T, int D>
-__device__ __forceinline__ void rs_block_product(float (&acc)[D / 2], const uint32_t (&a)[4][4], uint32_t b_addr) {
+__device__ __forceinline__ void rs_block_product(float (&acc)[D / 2], const uint32_t (&a)[4][4], uint64_t b_tile) {
   wgmma_fence();
 #pragma unroll
-  for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(acc, a[kc], mn_desc(b_addr, kc), 1);
+  for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(acc, a[kc], mn_chunk(b_tile, kc), 1);
   wgmma_commit();
   wgmma_wait<0>();
   fence_accumulators(acc);
@@ -243,10 +235,10 @@ __device__ __forceinline__ bool ordered_dq_turn(const AttentionGradProblem& gp, 
   wgmma_fence();
 #pragma unroll
   for (int c = 0; c < Cfg::CONSUMERS; ++c) {
-    const uint32_t ds_addr = smem_addr(ds_tiles + c * kBoxBytes);
-    const uint32_t k_addr = smem_addr(k_tiles + c * Cfg::TILE_BYTES + box * kBoxBytes);
+    const uint64_t ds_tile = box_desc(smem_addr(ds_tiles + c * kBoxBytes));
+    const uint64_t k_tile = box_desc(smem_addr(k_tiles + c * Cfg::TILE_BYTES + box * kBoxBytes));
 #pragma unroll
-    for (int kc = 0; kc < 4; ++kc) Wgmma<64, T>::template mma<1, 1>(acc, mn_desc(ds_addr, kc), mn_desc(k_addr, kc), 1);
+    for (int kc = 0; kc < 4; ++kc) Wgmma<64, T>::template mma<1, 1>(acc, mn_chunk(ds_tile, kc), mn_chunk(k_tile, kc), 1);
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -474,8 +466,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   T* __restrict__ dk = static_cast<T*>(gp.dk);
   T* __restrict__ dv = static_cast<T*>(gp.dv);
-  const uint32_t my_k = smem_addr(k_tile + consumer * Cfg::TILE_BYTES);
-  const uint32_t my_v = smem_addr(v_tile + consumer * Cfg::TILE_BYTES);
+  const uint64_t my_k = box_desc(smem_addr(k_tile + consumer * Cfg::TILE_BYTES));
+  const uint64_t my_v = box_desc(smem_addr(v_tile + consumer * Cfg::TILE_BYTES));
   int stage = 0, ds_buffer = 0;
   uint32_t phase = 0, kv_phase = 0, acc_phase = 0;
 
@@ -518,14 +510,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         // for the ordered dQ is +0).
         const bool skip = my_key0 >= kv_len || (p.causal && my_key0 > first_pos + qstart + kTileRows - 1);
         if (!skip) {
-          const uint32_t q_addr = smem_addr(q_stage(stage)), do_addr = smem_addr(do_stage(stage));
+          const uint64_t q_desc = box_desc(smem_addr(q_stage(stage))), do_desc = box_desc(smem_addr(do_stage(stage)));
           // lse log2(e) and delta of this thread's query columns qstart + 8 nt + 2 t + e.
           float pt[1][8][4];
           float(&pt_flat)[32] = *reinterpret_cast<float(*)[32]>(&pt[0][0][0]);
           wgmma_fence();
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(pt_flat, kmajor_desc<D>(my_k, ks), kmajor_desc<D>(q_addr, ks), ks > 0);
+            Wgmma<64, T>::template mma<0, 0>(pt_flat, kmajor_chunk(my_k, ks), kmajor_chunk(q_desc, ks), ks > 0);
           wgmma_commit();
           wgmma_wait<0>();
           fence_accumulators(pt_flat);
@@ -588,12 +580,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           wgmma_fence();
           if (!cuts) {
 #pragma unroll
-            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dv_flat, pa[kc], mn_desc(do_addr, kc), 1);
+            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dv_flat, pa[kc], mn_chunk(do_desc, kc), 1);
             wgmma_commit();
           }
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(dpt_flat, kmajor_desc<D>(my_v, ks), kmajor_desc<D>(do_addr, ks), ks > 0);
+            Wgmma<64, T>::template mma<0, 0>(dpt_flat, kmajor_chunk(my_v, ks), kmajor_chunk(do_desc, ks), ks > 0);
           wgmma_commit();
           wgmma_wait<0>();
           fence_accumulators(dpt_flat);
@@ -622,7 +614,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           if (cuts) {
             by_cuts(dk_flat, pa, q_stage(stage));
           } else {
-            rs_block_product<T, D>(dk_flat, pa, q_addr);
+            rs_block_product<T, D>(dk_flat, pa, q_desc);
           }
           if constexpr (ORDERED_DQ) {
             // dS^T as dQ's A operand (queries x keys) stored MN-major: row = key, the 64 queries
@@ -802,7 +794,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         for (int e = 0; e < 4; ++e) dq_acc[0][dn][e] = 0.f;
       }
       float(&dq_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dq_acc[0][0][0]);
-      const uint32_t q_addr = smem_addr(my_q), do_addr = smem_addr(my_do);
+      const uint64_t q_desc = box_desc(smem_addr(my_q)), do_desc = box_desc(smem_addr(my_do));
       const int my_end = !active ? 0 : p.causal ? my_last_pos / kTileRows + 1 : num_blocks;
       const int my_first_pos = first_pos + my_row0 / group;
 
@@ -810,18 +802,18 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         mbar_wait(&sm.full[stage], phase);
         if (b < my_end) {
           const int key0 = b * kTileRows;
-          const uint32_t k_addr = smem_addr(k_stage(stage)), v_addr = smem_addr(v_stage(stage));
+          const uint64_t k_desc = box_desc(smem_addr(k_stage(stage))), v_desc = box_desc(smem_addr(v_stage(stage)));
           float sp[1][8][4], ds[1][8][4];
           float(&sp_flat)[32] = *reinterpret_cast<float(*)[32]>(&sp[0][0][0]);
           float(&ds_flat)[32] = *reinterpret_cast<float(*)[32]>(&ds[0][0][0]);
           wgmma_fence();
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(sp_flat, kmajor_desc<D>(q_addr, ks), kmajor_desc<D>(k_addr, ks), ks > 0);
+            Wgmma<64, T>::template mma<0, 0>(sp_flat, kmajor_chunk(q_desc, ks), kmajor_chunk(k_desc, ks), ks > 0);
           wgmma_commit();
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(ds_flat, kmajor_desc<D>(do_addr, ks), kmajor_desc<D>(v_addr, ks), ks > 0);
+            Wgmma<64, T>::template mma<0, 0>(ds_flat, kmajor_chunk(do_desc, ks), kmajor_chunk(v_desc, ks), ks > 0);
           wgmma_commit();
           wgmma_wait<0>();
           fence_accumulators(sp_flat);
@@ -876,7 +868,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
                                              tid, kConsumerBar + consumer);
             }
           } else {
-            rs_block_product<T, D>(dq_flat, dsa, k_addr);
+            rs_block_product<T, D>(dq_flat, dsa, k_desc);
           }
         }
         release_and_advance<STAGES, EXACT>(sm.empty, tid, stage, phase);

@@ -124,6 +124,15 @@ inline bool encode_operand_map(CUtensorMap* map, const OperandMap& info, DType d
 }
 
 #ifdef RL_ALIGN_SM90A_DEVICE
+// wgmma descriptors of a tile of boxes (kBoxBytes apart): box_desc of its first box, then its k16
+// chunk as an offset from that (smem_desc_at): chunk ks of a K-major tile (128-byte rows of d),
+// chunk kc of an MN-major one (16 rows of k each).
+__device__ __forceinline__ uint64_t box_desc(uint32_t addr) { return smem_desc(addr, kBoxBytes, kSwizzleAtomBytes); }
+__device__ __forceinline__ uint64_t kmajor_chunk(uint64_t tile, int ks) {
+  return smem_desc_at(tile, (ks / 4) * kBoxBytes + (ks % 4) * 32);
+}
+__device__ __forceinline__ uint64_t mn_chunk(uint64_t tile, int kc) { return smem_desc_at(tile, kc * 16 * kSwizzleRowBytes); }
+
 // acc (a warpgroup's m64 x N accumulators, N = 64 BOXES) += A B for one k16 chunk, each row summing
 // only its allowed k positions whatever B holds at the others: A in registers (a), B = 16 rows (k)
 // of an MN-major tile of BOXES boxes, row r at b_rows + box * box_bytes + r * 128. Row hh of the

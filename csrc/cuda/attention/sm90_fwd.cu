@@ -468,10 +468,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   T* __restrict__ out = static_cast<T*>(p.out);
   uint8_t* my_q = q_smem + consumer * Cfg::D_BOXES * kBoxBytes;
   const uint32_t my_q_addr = smem_addr(my_q);
-  // Descriptors: Q and K K-major (128-byte rows of d), V MN-major (128-byte rows of d per key).
-  auto kmajor_desc = [&](uint32_t base, int ks) {
-    return smem_desc(base + (ks / 4) * kBoxBytes + (ks % 4) * 32, kBoxBytes, kSwizzleAtomBytes);
-  };
+  // Descriptors: Q and K K-major (128-byte rows of d), V MN-major (128-byte rows of d per key); a
+  // stage's are offsets from stage 0's (smem_desc_at).
+  const uint64_t q_desc = box_desc(my_q_addr), k_desc = box_desc(smem_addr(k_stage(0))),
+                 v_desc = box_desc(smem_addr(v_stage(0)));
   auto turn_sync = [&]() {
     if constexpr (Cfg::PINGPONG && !EXACT) named_bar_sync(kTurnBar + consumer, 2 * kWarpgroupThreads);
   };
@@ -555,32 +555,35 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
 
       // S = Q K^T of block b into `score` (issued, not waited for).
       auto issue_scores = [&](int st) {
-        const uint32_t k_addr = smem_addr(k_stage(st));
+        const uint64_t k_st = smem_desc_at(k_desc, st * Cfg::STAGE_BYTES);
 #pragma unroll
         for (int ks = 0; ks < Cfg::D_STEPS; ++ks) {
           if constexpr (Cfg::Q_IN_REGISTERS) {
-            WgmmaRs<64, T>::template mma<0>(score_flat, qa[ks], kmajor_desc(k_addr, ks), ks > 0);
+            WgmmaRs<64, T>::template mma<0>(score_flat, qa[ks], kmajor_chunk(k_st, ks), ks > 0);
           } else {
-            Wgmma<64, T>::template mma<0, 0>(score_flat, kmajor_desc(my_q_addr, ks), kmajor_desc(k_addr, ks), ks > 0);
+            Wgmma<64, T>::template mma<0, 0>(score_flat, kmajor_chunk(q_desc, ks),
+                                             kmajor_chunk(k_st, ks), ks > 0);
           }
         }
       };
       // acc += P V of the block in stage st (issued, not waited for).
       auto issue_pv = [&](int st) {
-        const uint32_t v_addr = smem_addr(v_stage(st));
+        const uint64_t v_st = smem_desc_at(v_desc, st * Cfg::STAGE_BYTES);
 #pragma unroll
         for (int kc = 0; kc < Cfg::KEY_STEPS; ++kc) {
-          WgmmaRs<D, T>::template mma<1>(acc_flat, pa[kc], smem_desc(v_addr + kc * 16 * 128, kBoxBytes, kSwizzleAtomBytes), 1);
+          WgmmaRs<D, T>::template mma<1>(acc_flat, pa[kc], mn_chunk(v_st, kc), 1);
         }
       };
       // The block recurrence on `score` (block b): m, l updated, scores turned into p; acc * alpha
       // once no P V that reads acc is in flight (the caller's order).
       float row_alpha[1][2];
+      // The warp's rows have keys to mask from block mask_from on: past kv_len (b >= kv_len / 64),
+      // or causal, past the first row's position (b 64 + 63 > warp_first_pos).
+      const int tail_from = kv_len / kKvBlock, causal_from = (warp_first_pos + 1) / kKvBlock;
+      const int mask_from = p.causal && causal_from < tail_from ? causal_from : tail_from;
       auto softmax = [&](int b) {
-        const int key0 = b * kKvBlock;
-        const bool need_mask = key0 + kKvBlock > kv_len || (p.causal && key0 + kKvBlock - 1 > warp_first_pos);
-        return softmax_block<SCALE_NONNEG>(score, row_max, row_sum, row_alpha, row_last_key, key0 + 2 * t,
-                                           need_mask, scale_log2);
+        return softmax_block<SCALE_NONNEG>(score, row_max, row_sum, row_alpha, row_last_key, b * kKvBlock + 2 * t,
+                                           b >= mask_from, scale_log2);
       };
       auto rescale_acc = [&]() {
 #pragma unroll

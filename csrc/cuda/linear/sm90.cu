@@ -115,11 +115,11 @@ struct Sm90Groups {
 constexpr int kMmaK = 16;       // k depth of one wgmma
 constexpr int kTileGroupM = 8;  // tile order: 8 row-tiles share each column sweep (L2 reuse)
 
-// Address of k16 chunk `s` of a k-block tile that starts at `base`: 16 elements = 32 bytes along
-// a K-major row; 16 rows of 128 bytes down an MN-major tile.
+// Byte offset of k16 chunk `s` in a k-block tile: 16 elements = 32 bytes along a K-major row; 16
+// rows of 128 bytes down an MN-major tile.
 template <bool MN_MAJOR, int ROW_BYTES = kSwizzleRowBytes>
-__device__ __forceinline__ uint32_t chunk_addr(uint32_t base, int s) {
-  return base + (MN_MAJOR ? s * kMmaK * ROW_BYTES : s * kMmaK * 2);
+__device__ __forceinline__ uint32_t chunk_offset(int s) {
+  return MN_MAJOR ? s * kMmaK * ROW_BYTES : s * kMmaK * 2;
 }
 
 __device__ __forceinline__ void tile_coords(int tile, int tiles_m, int tiles_n, int& mt, int& nt) {
@@ -432,18 +432,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       auto issue = [&](float (&d)[BN / 2], int kb_begin, int kb_end, bool fresh) {
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(&full[stage], phase);
-          const uint32_t a_base = smem_addr(a_stage(stage)) + a_offset;
+          // The stage's descriptors; each k16 chunk's is an offset from them (smem_desc_at).
+          const uint64_t a_desc = smem_desc(smem_addr(a_stage(stage)) + a_offset, kMnChunkBytes, kSwizzleAtomBytes);
           const uint32_t b_base = smem_addr(b_stage(stage));
+          const uint64_t b_desc = kBSwizzle64
+                                      ? smem_desc(b_base, kMnChunkBytes / 2, kSwizzleAtomBytes / 2, true)
+                                      : smem_desc(b_base, kMnChunkBytes, kSwizzleAtomBytes);
           wgmma_fence();
           // The k16 chunks go in increasing k: this order is the invariance contract.
 #pragma unroll
           for (int s = 0; s < kBlockK / kMmaK; ++s) {
             Wgmma<BN, T>::template mma<A_MN ? 1 : 0, B_MN ? 1 : 0>(
-                d, smem_desc(chunk_addr<A_MN>(a_base, s), kMnChunkBytes, kSwizzleAtomBytes),
-                kBSwizzle64
-                    ? smem_desc(chunk_addr<true, kSwizzleRowBytes / 2>(b_base, s), kMnChunkBytes / 2,
-                                kSwizzleAtomBytes / 2, true)
-                    : smem_desc(chunk_addr<B_MN>(b_base, s), kMnChunkBytes, kSwizzleAtomBytes),
+                d, smem_desc_at(a_desc, chunk_offset<A_MN>(s)),
+                smem_desc_at(b_desc, kBSwizzle64 ? chunk_offset<true, kSwizzleRowBytes / 2>(s) : chunk_offset<B_MN>(s)),
                 !fresh || kb > kb_begin || s > 0);
           }
           wgmma_commit();
