@@ -82,6 +82,9 @@ enum AttentionSeqField : int {
   kSeqKvLen = 4,    // keys / values, positions 0 .. kv_len-1
 };
 constexpr int kAttentionSeqFields = 5;
+// Zero int64 words after the descriptors: AttentionProblem::status, then a counter the sm90
+// forward's CTAs claim tiles from (cuda/attention/sm90_fwd.cu; its last claim zeroes it again).
+constexpr int kAttentionSeqStatusWords = 2;
 
 // Descriptors built from sequence lengths where those live (the ops' validate=False paths, which
 // read no length on the host): sequence s starts at element start(s) * stride of each operand,
@@ -115,8 +118,9 @@ struct AttentionProblem {
   int64_t max_q_len = 0, max_kv_len = 0;
   // [num_seqs][kAttentionSeqFields] int64, in the kernel's memory space (device for GPU paths).
   const int64_t* seqs = nullptr;
-  // One int64 right after seqs, 0 when a forward starts: a path may record there that it must
-  // recompute (the sm80 forward: a non-finite result, cuda/attention/sm80_fwd.cu). Null: none.
+  // The first of the kAttentionSeqStatusWords zero words right after seqs, 0 when a forward
+  // starts: a path may record there that it must recompute (the sm80 forward: a non-finite
+  // result, cuda/attention/sm80_fwd.cu). Null: none.
   int64_t* status = nullptr;
   // Q[s][h][i][d] = q[seqs[s].q_base + i * q_stride_token + h * q_stride_head + d]; out, dout
   // and dq use the same offsets and strides.

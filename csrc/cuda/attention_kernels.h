@@ -46,11 +46,14 @@ bool attention_sm90_compiled_for(int device);
 // masked_nonfinite: the problem's status word (0 before the launch), needed when max_q_len > 1
 // (keys masked inside a sequence exist): the fast kernels set it on a non-finite result, and the
 // launch then recomputes with the exact kernel (attention/sm80_fwd.cu, attention/sm90_fwd.cu).
+// tile_counter (the sm90 forward): 0 before a launch, and again after it; the prefill kernel's
+// CTAs claim their tiles from it (scheduling only).
 struct AttentionFwdWorkspace {
   float* acc = nullptr;
   float* ml = nullptr;
   int64_t slots = 0;
   int64_t* masked_nonfinite = nullptr;
+  unsigned long long* tile_counter = nullptr;
 };
 
 // The slots per row the tensor-core forwards need for `p` (0: no workspace, every row's keys
@@ -94,7 +97,7 @@ gpuError_t attention_bwd_simt(DType dtype, const AttentionGradProblem& p, gpuStr
 // attention_kvcache / attention_varlen without host validation: the sequence descriptors
 // (attention_problem.h) built on the device from `lengths` and the KV cache's optional
 // `cache_starts` (null: 0; both int32 or both int64; what they hold: sp), then the zero status
-// word (seqs: num_seqs * kAttentionSeqFields + 1 int64), and a device-side assert
+// words (seqs: num_seqs * kAttentionSeqFields + kAttentionSeqStatusWords int64), and a device-side assert
 // (device_assert.cuh) for values outside sp's bounds. One kernel, no host synchronisation.
 gpuError_t attention_seqs_from_lengths(const void* lengths, const void* cache_starts, bool lengths_int64,
                                        const SeqsFromLengths& sp, int64_t* seqs, gpuStream_t stream);

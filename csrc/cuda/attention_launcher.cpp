@@ -96,6 +96,7 @@ struct CudaBackend {
         w.ml = w.acc + rows * w.slots * p.head_dim;
       }
       if (p.max_q_len > 1) w.masked_nonfinite = p.status;
+      w.tile_counter = reinterpret_cast<unsigned long long*>(p.status + 1);
       err = path == AttentionPath::kSm90 ? attention_fwd_sm90(kernel_dtype(dtype), p, w, stream)
                                          : attention_fwd_sm80(kernel_dtype(dtype), p, w, stream);
     } else {
@@ -155,7 +156,8 @@ struct CudaBackend {
     const at::ScalarType index_type = lengths.scalar_type() == at::kInt ? at::kInt : at::kLong;
     const at::Tensor l = lengths.to(index_type).contiguous();
     const at::Tensor first = starts ? starts->to(index_type).contiguous() : at::Tensor();
-    at::Tensor seqs = at::empty({sp.num_seqs * kAttentionSeqFields + 1}, l.options().dtype(at::kLong));
+    at::Tensor seqs =
+        at::empty({sp.num_seqs * kAttentionSeqFields + kAttentionSeqStatusWords}, l.options().dtype(at::kLong));
     note_gpu_kernel("attention_seqs_from_lengths", "simt");
     check_launch(op, attention_seqs_from_lengths(l.const_data_ptr(), starts ? first.const_data_ptr() : nullptr,
                                                  index_type == at::kLong, sp, seqs.mutable_data_ptr<int64_t>(),

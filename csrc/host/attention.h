@@ -120,11 +120,11 @@ inline at::Tensor same_layout(const at::Tensor& t, const at::Tensor& like) {
   return at::empty_like(like).copy_(t);
 }
 
-// Descriptors built on the host, followed by the zero status word (AttentionProblem::status), on
+// Descriptors built on the host, followed by the zero status words (kAttentionSeqStatusWords), on
 // like's device through Backend::to_device (no stream synchronisation on CUDA).
 template <typename Backend>
 at::Tensor seqs_tensor(std::vector<int64_t> seqs, const at::Tensor& like) {
-  seqs.push_back(0);
+  seqs.insert(seqs.end(), kAttentionSeqStatusWords, 0);
   return Backend::to_device(at::tensor(seqs, at::TensorOptions().dtype(at::kLong)), like);
 }
 
@@ -154,7 +154,7 @@ inline SeqBounds seq_bounds(const std::vector<SeqDesc>& seqs) {
 }
 
 // What the kernels get: the descriptors ([num_seqs][kAttentionSeqFields] int64 and the zero
-// status word, on q's device; undefined when no query exists) within their bounds.
+// status words, on q's device; undefined when no query exists) within their bounds.
 struct DeviceSeqs {
   SeqBounds bounds;
   at::Tensor seqs;

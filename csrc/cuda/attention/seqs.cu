@@ -12,7 +12,7 @@ namespace {
 template <typename I>
 __global__ void seqs_from_lengths_kernel(const I* lengths, const I* cache_starts, SeqsFromLengths sp, int64_t* seqs) {
   const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (s == 0) seqs[sp.num_seqs * kAttentionSeqFields] = 0;  // the status word
+  if (s < kAttentionSeqStatusWords) seqs[sp.num_seqs * kAttentionSeqFields + s] = 0;  // the status words
   if (s >= sp.num_seqs) return;
   int64_t start = s, kv_first = 0, q_len, kv_len;
   if (sp.packed) {

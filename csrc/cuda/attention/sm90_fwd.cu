@@ -2,7 +2,8 @@
 // one or two consumer warpgroups of 64 GQA-packed query rows (row = query * G + head in group, as
 // the sm80 kernels pack them). The producer's warp 0 issues the K/V loads; its warps 1..CONSUMERS
 // gather each consumer's Q (any layout, cp.async into the swizzled layout) for the next tile while
-// the consumer finishes the current one. S = Q K^T is a wgmma RS (Q in registers; SS where two
+// the consumer finishes the current one; in the prefill kernel its warp CONSUMERS + 1 claims the
+// CTA's tiles from a counter (a persistent grid, longest tiles first). S = Q K^T is a wgmma RS (Q in registers; SS where two
 // CTAs share an SM); O += P V a wgmma RS (P from the S accumulators).
 //
 // Arithmetic: the sm80 forward's, step for step (sm80_fwd.cu header; the block recurrence
@@ -66,8 +67,17 @@ struct Sm90FwdConfig {
   static constexpr int Q_BYTES = CONSUMERS * D_BOXES * kBoxBytes;
   static constexpr int KV_TILE_BYTES = D_BOXES * kBoxBytes;
   static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K then V
-  // k_full, v_full, kv_empty per stage, v_tail; q_full, q_empty per consumer
-  static constexpr int BARRIERS = 3 * STAGES + 1 + 2 * CONSUMERS;
+  // DYNAMIC_TILES (the prefill kernel, not its EXACT relaunch): a persistent grid whose CTAs claim
+  // tiles from a counter as they go (sm90_fwd_kernel's scheduler), published to the other warps
+  // through SCHED_SLOTS slots of shared memory, one tile ahead of the consumers.
+  static constexpr bool DYNAMIC_TILES = PINGPONG;
+  static constexpr int SCHED_SLOTS = DYNAMIC_TILES ? 2 : 0;
+  // The scheduler is the producer warpgroup's warp CONSUMERS + 1; each slot is freed by the K/V
+  // producer, the Q loaders and every consumer warp (lane 0 of each).
+  static constexpr int SCHED_READERS = 1 + CONSUMERS + CONSUMERS * 4;
+  // 8-byte words after the ring: k_full, v_full, kv_empty per stage, v_tail; q_full, q_empty per
+  // consumer; sched_full, sched_empty and the tile index per scheduler slot.
+  static constexpr int BARRIERS = 3 * STAGES + 1 + 2 * CONSUMERS + 3 * SCHED_SLOTS;
   // Slack to align the tiles to 1024 bytes; none where two CTAs must fit an SM (228 KB less 1 KB
   // reserved per CTA): the kernel then traps if the dynamic shared memory is not so aligned.
   static constexpr int ALIGN_SLACK = MIN_BLOCKS_ > 1 ? 0 : 1024;
@@ -368,6 +378,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   uint64_t* v_tail = kv_empty + STAGES;
   uint64_t* q_full = v_tail + 1;
   uint64_t* q_empty = q_full + Cfg::CONSUMERS;
+  uint64_t* sched_full = q_empty + Cfg::CONSUMERS;
+  uint64_t* sched_empty = sched_full + Cfg::SCHED_SLOTS;
+  int64_t* sched_tile = reinterpret_cast<int64_t*>(sched_empty + Cfg::SCHED_SLOTS);
   // EXACT: a 1024-aligned scratch of D_BOXES x 16 value rows per consumer, after the barriers.
   uint8_t* cut_scratch = ring + STAGES * Cfg::STAGE_BYTES + 1024;
   auto k_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
@@ -383,6 +396,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     for (int c = 0; c < Cfg::CONSUMERS; ++c) {
       mbar_init(&q_full[c], 1);
       mbar_init(&q_empty[c], 1);
+    }
+    for (int s = 0; s < Cfg::SCHED_SLOTS; ++s) {
+      mbar_init(&sched_full[s], 1);
+      mbar_init(&sched_empty[s], Cfg::SCHED_READERS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -421,11 +438,51 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     return job.b_begin < job.b_end;
   };
 
+  // The CTA's n-th tile, the same for every role: DYNAMIC, the scheduler's (read from its slot,
+  // which the warp's lane 0 then frees); else every gridDim.x-th from blockIdx.x. The CTA is done
+  // at the first tile >= order.total.
+  constexpr bool DYNAMIC = Cfg::DYNAMIC_TILES && !EXACT;
+  auto tile_at = [&](int n) -> int64_t {
+    if constexpr (DYNAMIC) {
+      const int slot = n % Cfg::SCHED_SLOTS;
+      mbar_wait(&sched_full[slot], (n / Cfg::SCHED_SLOTS) & 1);
+      const int64_t tile = __shfl_sync(0xffffffffu, *reinterpret_cast<volatile int64_t*>(&sched_tile[slot]), 0);
+      if (threadIdx.x % 32 == 0) mbar_arrive(&sched_empty[slot]);
+      return tile;
+    } else {
+      return blockIdx.x + static_cast<int64_t>(n) * gridDim.x;
+    }
+  };
+
   if (warpgroup == 0) {
     // ------------------------------------------------------------------------ producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Cfg::PRODUCER_REGS));
     const int producer_warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     Tile job;
+    if constexpr (DYNAMIC) {
+      if (producer_warp == Cfg::CONSUMERS + 1) {
+        // ------------------------------------------------------------------------------ scheduler
+        // Publishes blockIdx.x, then claims the CTA's next tile (the counter counts claims past the
+        // first wave) once the consumers have begun the tile before it: one tile ahead, so the Q
+        // loaders fetch the next tile's Q while this one runs, and the order stays longest first
+        // across CTAs. Every CTA stops at its first claim past the end, so the launch makes exactly
+        // order.total claims: the last one zeroes the counter for the next launch.
+        if (lane != 0) return;
+        int64_t tile = blockIdx.x;
+        for (int n = 0;; ++n) {
+          const int slot = n % Cfg::SCHED_SLOTS;
+          if (n > 0) {
+            mbar_wait(&sched_empty[slot], ((n / Cfg::SCHED_SLOTS) & 1) ^ 1);
+            const unsigned long long claim = atomicAdd(w.tile_counter, 1ull);
+            if (claim == static_cast<unsigned long long>(order.total - 1)) atomicExch(w.tile_counter, 0ull);
+            tile = gridDim.x + static_cast<int64_t>(claim);
+          }
+          sched_tile[slot] = tile;
+          mbar_arrive(&sched_full[slot]);
+          if (tile >= order.total) return;
+        }
+      }
+    }
     if (producer_warp >= 1 && producer_warp <= Cfg::CONSUMERS) {
       // ---------------------------------------------------------- Q loader of consumer (warp - 1)
       // Q of consumer c's 64 rows (load_q_rows) for the next tile while the consumer finishes
@@ -435,7 +492,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       const T* q = static_cast<const T*>(p.q);
       const uint32_t c_q_addr = smem_addr(c_q);
       uint32_t q_phase = 0;
-      for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
+      for (int n = 0;; ++n) {
+        const int64_t tile = tile_at(n);
+        if (tile >= order.total) return;
         if (!resolve(tile, job) || job.row0 + c * kConsumerRows >= job.rows) continue;
         const int c_row0 = job.row0 + c * kConsumerRows;
         mbar_wait(&q_empty[c], q_phase ^ 1);
@@ -444,12 +503,13 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         if (lane == 0) mbar_arrive(&q_full[c]);
         q_phase ^= 1;
       }
-      return;
     }
     if (producer_warp != 0) return;
     // ------------------------------------------------------------------- K/V producer (warp 0)
     KvRingProducer<Cfg> kv_ring{ring, k_full, v_full, kv_empty, v_tail};
-    for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
+    for (int n = 0;; ++n) {
+      const int64_t tile = tile_at(n);
+      if (tile >= order.total) return;
       if (!resolve(tile, job)) continue;
       int kv_c1, kv_c2;  // the map coordinates of the sequence's key 0 of this kv head
       kv_at.coords(job.sq.kv_base, job.kv_head, 0, kv_c1, kv_c2);
@@ -457,7 +517,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         kv_ring.load(&k_map, &v_map, kv_at, kv_c1, kv_c2, b * kKvBlock, job.kv_len, lane);
       }
     }
-    return;
   }
 
   // ------------------------------------------------------------------ consumers
@@ -494,7 +553,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
 
   uint32_t q_phase = 0;
   Tile job;
-  for (int64_t tile = blockIdx.x; tile < order.total; tile += gridDim.x) {
+  for (int n = 0;; ++n) {
+    const int64_t tile = tile_at(n);
+    if (tile >= order.total) break;
     if (!resolve(tile, job)) continue;  // (the producer and the Q loaders skip it too)
     const AttentionSeq sq = job.sq;
     const int kv_head = job.kv_head, split = job.split, kv_len = job.kv_len, rows = job.rows;
@@ -739,14 +800,9 @@ using PrefillConfig = Sm90FwdConfig<D, 2, 4, true>;
 
 bool few_rows(const AttentionProblem& p) { return p.max_q_len * (p.heads_q / p.heads_kv) <= kConsumerRows; }
 
-// A persistent grid (one wave of CTAs walking the heavy-first tile order) where no row crosses a
-// split: measured on the H100, 7% faster than one CTA per tile at 8 x 1024 tokens, 5% slower at
-// 1 x 16384 (the tile order's L2 sections then matter less than the last wave's balance).
-bool persistent_grid(const AttentionProblem& p) { return attention_split_count(p) <= 1; }
-
 template <typename T, typename Cfg, bool SCALE_NONNEG, SplitMode MODE, bool EXACT>
 gpuError_t launch_kernel(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w, const OperandMap& kv_at,
-                         float scale_log2, bool persistent, gpuStream_t stream) {
+                         float scale_log2, gpuStream_t stream) {
   auto kernel = attention_fwd_sm90_kernel<T, Cfg, SCALE_NONNEG, MODE, EXACT>;
   constexpr int kSmem = sm90_fwd_smem_bytes<Cfg, EXACT>();
   static std::atomic<uint64_t> raised{0};
@@ -767,9 +823,10 @@ gpuError_t launch_kernel(DType dtype, const AttentionProblem& p, const Attention
   const int64_t kv_pair_bytes = 2 * p.max_kv_len * p.head_dim * 2;
   const int64_t pps = (int64_t{20} << 20) / (kv_pair_bytes > 0 ? kv_pair_bytes : 1);
   order.pairs_per_section = pps < 1 ? 1 : pps > order.pairs ? order.pairs : pps;
-  // The EXACT launch mostly finds nothing to do: one wave keeps it to a few microseconds.
+  // One wave where the CTAs claim their tiles (DYNAMIC_TILES); the EXACT launch mostly finds
+  // nothing to do: one wave keeps it to a few microseconds.
   const int64_t wave = static_cast<int64_t>(multiprocessor_count(current_device())) * Cfg::MIN_BLOCKS;
-  const int64_t cap = persistent || EXACT ? wave : INT32_MAX;
+  const int64_t cap = Cfg::DYNAMIC_TILES || EXACT ? wave : INT32_MAX;
   const int64_t ctas = order.total < cap ? order.total : cap;
   kernel<<<static_cast<unsigned>(ctas), Cfg::THREADS, kSmem, stream>>>(k_map, v_map, kv_at, p, w, order,
                                                                        static_cast<int>(group), scale_log2);
@@ -781,10 +838,9 @@ gpuError_t launch_kernel(DType dtype, const AttentionProblem& p, const Attention
 template <typename T, typename Cfg, bool SCALE_NONNEG, SplitMode MODE>
 gpuError_t launch(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w, const OperandMap& kv_at,
                   float scale_log2, gpuStream_t stream) {
-  const bool persistent = Cfg::PINGPONG && persistent_grid(p);
-  gpuError_t err = launch_kernel<T, Cfg, SCALE_NONNEG, MODE, false>(dtype, p, w, kv_at, scale_log2, persistent, stream);
+  gpuError_t err = launch_kernel<T, Cfg, SCALE_NONNEG, MODE, false>(dtype, p, w, kv_at, scale_log2, stream);
   if (err == cudaSuccess && p.max_q_len > 1) {
-    err = launch_kernel<T, Cfg, SCALE_NONNEG, MODE, true>(dtype, p, w, kv_at, scale_log2, persistent, stream);
+    err = launch_kernel<T, Cfg, SCALE_NONNEG, MODE, true>(dtype, p, w, kv_at, scale_log2, stream);
   }
   if (err != cudaSuccess || MODE != SplitMode::kPerSplit) return err;
   return attention_split_combine(dtype, p, w, stream);
@@ -833,7 +889,7 @@ bool attention_sm90_compiled_for(int device) {
 }
 
 // Problem requirements: tensor_core_attention_problem_error and tensor_core_workspace_ok
-// (tensor_core.h), and K and V addressable through tensor maps (kv_map_problem: the launcher
+// (tensor_core.h), a tile counter, and K and V addressable through tensor maps (kv_map_problem: the launcher
 // sends other layouts to the sm80 path, attention_sm90_layout_problem); cudaErrorInvalidValue
 // otherwise.
 gpuError_t attention_fwd_sm90(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
@@ -841,7 +897,7 @@ gpuError_t attention_fwd_sm90(DType dtype, const AttentionProblem& p, const Atte
   const gpuError_t err = tensor_core_attention_problem_error(dtype, p, 1);  // a 1-D grid
   if (err != cudaSuccess || p.num_seqs == 0 || p.max_q_len == 0) return err;
   OperandMap kv_at;
-  if (!tensor_core_workspace_ok(p, w) || kv_map_problem(p, &kv_at) != nullptr) {
+  if (!tensor_core_workspace_ok(p, w) || w.tile_counter == nullptr || kv_map_problem(p, &kv_at) != nullptr) {
     return cudaErrorInvalidValue;
   }
   return dispatch_dtype<KernelTypes, DTypeSet::kHalfOnly>(
