@@ -94,7 +94,11 @@ def native_extensions():
     # results.
     # -Wno-c++20-extensions: torch's own headers (c10/core/AutogradState.h) initialise bit-fields,
     # a C++20 feature, and g++ says so twice for every file compiled as C++17.
+    # -g0: Python's own compile flags (which torch's build adds first) carry -g, and the link strips
+    # the library (-s) unless RL_ENGINE_EXT_DEBUG_INFO=1: the debug info only doubled each file's
+    # compile time.
     cxx_flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-Wno-c++20-extensions"]
+    cxx_flags += [] if DEBUG_INFO else ["-g0"]
     link_args = torch_libstdcxx_link_args() + ([] if DEBUG_INFO else ["-s"])
     is_rocm = torch.version.hip is not None
     has_gpu_toolchain = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None) or (

@@ -6,7 +6,8 @@
 #     disk), then PyTorch's CPU index. The PyPI wheel of the same version is a multi-GB CUDA build
 #     on Linux x86-64: if no source offers a CPU build, nothing is installed and the script says
 #     how to install a torch yourself.
-#   * build/test tools: ninja, pybind11, pytest, hypothesis, matplotlib (benchmark plots),
+#   * build/test tools: ninja, pybind11, pytest, pytest-xdist (the README's `pytest -n 2`),
+#     hypothesis, matplotlib (benchmark plots),
 #     transformers (the model patch's tests and example), peft (LoRA on a patched model's tests;
 #     with --no-deps, so pip never resolves torch again: accelerate and psutil are its only
 #     requirements that transformers does not bring).
@@ -69,7 +70,7 @@ PY
 }
 # transformers (pure Python): the Hugging Face model patch's tests and example; the version the
 # GPU machine has, so CPU CI and the H100 run the same model code.
-read -r -a tools <<< "$(missing ninja:ninja pybind11:pybind11 pytest:pytest hypothesis:hypothesis matplotlib:matplotlib \
+read -r -a tools <<< "$(missing ninja:ninja pybind11:pybind11 pytest:pytest xdist:pytest-xdist hypothesis:hypothesis matplotlib:matplotlib \
   setuptools:setuptools wheel:wheel transformers:transformers==5.17.0)"
 if [ ${#tools[@]} -gt 0 ]; then
   "$PY" -m pip install -q "${tools[@]}"

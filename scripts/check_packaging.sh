@@ -70,7 +70,7 @@ quiet_pip() {  # this machine's pip config names local index folders that may be
   "$venv_py" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 quiet_pip "$TORCH_SPEC"
-quiet_pip "$wheel" pytest hypothesis "transformers==5.17.0"
+quiet_pip "$wheel" pytest pytest-xdist hypothesis "transformers==5.17.0"
 quiet_pip --no-deps psutil accelerate==1.15.0 peft==0.21.2  # bootstrap.sh: peft for the LoRA tests, never a second torch
 mkdir "$work/run"
 cp -r tests examples benchmarks scripts docs setup.py README.md "$work/run/"  # not the package: it comes from the wheel
@@ -106,8 +106,8 @@ sys.exit(3 if differ else 0)
 PY
 if [ "$AFTER_TREE_SUITE" = 1 ] && [ "$differs" = 0 ]; then
   echo "-- tests of the installation against the wheel (the in-tree suite ran this very code): ${INSTALL_TESTS[*]}"
-  "$venv_py" -m pytest -q -p no:cacheprovider -x "${INSTALL_TESTS[@]}"
+  "$venv_py" -m pytest -q -p no:cacheprovider -n 2 -x "${INSTALL_TESTS[@]}"
 else
   echo "-- the whole suite against the wheel"
-  "$venv_py" -m pytest -q -p no:cacheprovider -x tests
+  "$venv_py" -m pytest -q -p no:cacheprovider -n 2 -x tests
 fi
