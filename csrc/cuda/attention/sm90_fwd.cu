@@ -3,8 +3,8 @@
 // the sm80 kernels pack them). The producer's warp 0 issues the K/V loads; its warps 1..CONSUMERS
 // gather each consumer's Q (any layout, cp.async into the swizzled layout) for the next tile while
 // the consumer finishes the current one; in the prefill kernel its warp CONSUMERS + 1 claims the
-// CTA's tiles from a counter (a persistent grid, longest tiles first). S = Q K^T is a wgmma RS (Q in registers; SS where two
-// CTAs share an SM); O += P V a wgmma RS (P from the S accumulators).
+// CTA's tiles from a counter (a persistent grid, longest tiles first). S = Q K^T is a wgmma RS (Q
+// in registers; SS where two CTAs share an SM); O += P V a wgmma RS (P from the S accumulators).
 //
 // Arithmetic: the sm80 forward's, step for step (sm80_fwd.cu header; the block recurrence
 // and the split merge are recurrence.cuh's functions, called on the wgmma accumulators,
@@ -74,7 +74,7 @@ struct Sm90FwdConfig {
   static constexpr int SCHED_SLOTS = DYNAMIC_TILES ? 2 : 0;
   // The scheduler is the producer warpgroup's warp CONSUMERS + 1; each slot is freed by the K/V
   // producer, the Q loaders and every consumer warp (lane 0 of each).
-  static constexpr int SCHED_READERS = 1 + CONSUMERS + CONSUMERS * 4;
+  static constexpr int SCHED_READERS = 1 + CONSUMERS + CONSUMERS * (kWarpgroupThreads / 32);
   // 8-byte words after the ring: k_full, v_full, kv_empty per stage, v_tail; q_full, q_empty per
   // consumer; sched_full, sched_empty and the tile index per scheduler slot.
   static constexpr int BARRIERS = 3 * STAGES + 1 + 2 * CONSUMERS + 3 * SCHED_SLOTS;
@@ -889,9 +889,9 @@ bool attention_sm90_compiled_for(int device) {
 }
 
 // Problem requirements: tensor_core_attention_problem_error and tensor_core_workspace_ok
-// (tensor_core.h), a tile counter, and K and V addressable through tensor maps (kv_map_problem: the launcher
-// sends other layouts to the sm80 path, attention_sm90_layout_problem); cudaErrorInvalidValue
-// otherwise.
+// (tensor_core.h), a tile counter, and K and V addressable through tensor maps (kv_map_problem:
+// the launcher sends other layouts to the sm80 path, attention_sm90_layout_problem);
+// cudaErrorInvalidValue otherwise.
 gpuError_t attention_fwd_sm90(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w,
                               gpuStream_t stream) {
   const gpuError_t err = tensor_core_attention_problem_error(dtype, p, 1);  // a 1-D grid
