@@ -616,6 +616,22 @@ def test_default_path_gives_the_sm80_bits_packed(monkeypatch, dtype, head_dim, c
         _assert_equal(got, want, f"default path vs sm80: d{name}")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("hq, hkv", [(28, 4), (6, 2), (4, 4)], ids=["group7", "group3", "group1"])
+def test_default_path_gives_the_sm80_bits_for_any_group(monkeypatch, hq, hkv):
+    """Query heads per kv head that do not divide a 64-row tile (7, 3) and one (MHA): the sm90
+    kernels gather and write the GQA-packed rows (row = query * G + head) stepping from row to row
+    without a division. out, lse, dq, dk and dv equal forced sm80's bit for bit (packed, causal,
+    bf16 d128; past 1024 keys, so the dQ kernel's own Q and dO loads run too)."""
+    seqs = _sequences([1, 37, 65, 300, 1100], hq, hkv, 128, torch.bfloat16, "cuda")
+    (q, k, v, dout), cu = _packed(seqs, "cuda")
+    default, sm80 = _default_and_sm80(monkeypatch, lambda: _run_varlen(q, k, v, dout, cu, True))
+    for name, got, want in zip(("out", "lse"), default[:2], sm80[:2]):
+        _assert_equal(got, want, f"default path vs sm80: {name}")
+    for name, got, want in zip("qkv", default[2], sm80[2]):
+        _assert_equal(got, want, f"default path vs sm80: d{name}")
+
+
 DQ_ENV = "RL_ENGINE_EXT_ATTENTION_DQ"
 
 

@@ -1,6 +1,6 @@
-// The device pieces the sm80 attention kernels (sm80_fwd.cu, sm80_bwd.cu) share: the row-pair tile
-// copy and the cp.async ring step. The problem check both tensor-core paths share is
-// tensor_core.h. Torch-free.
+// The device pieces the tensor-core attention kernels share: the row-pair tile copy and the
+// cp.async ring step (sm80_fwd.cu, sm80_bwd.cu), the epilogues' non-finite test (sm80 and sm90).
+// The problem check both tensor-core paths share is tensor_core.h. Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,10 @@
 namespace rl_align {
 
 #ifdef RL_ALIGN_SM80_DEVICE
+// Whether a or b is infinite or NaN. Both are tested (no short circuit): an epilogue's running
+// flag then stays predicate arithmetic, where `||` chains compile into a branch per value.
+__device__ __forceinline__ bool either_nonfinite(float a, float b) { return !(isfinite(a) & isfinite(b)); }
+
 // Copies one 16-byte chunk of COPIES rows, ROWS_PER_COPY apart, from each of two tensors with one
 // layout (K and V, or Q and dO) into two shared tiles `second_tile` bytes apart: source rows
 // row, row + ROWS_PER_COPY, ... at element offset `offset` + r * row_stride, destination rows

@@ -534,7 +534,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
 #pragma unroll
                 for (int dn = 0; dn < Cfg::D_TILES; ++dn) {
                   const float2 a = make_float2(acc[mt][dn][2 * hh], acc[mt][dn][2 * hh + 1]);
-                  nonfinite = nonfinite || !isfinite(a.x) || !isfinite(a.y);
+                  nonfinite |= either_nonfinite(a.x, a.y);
                   *reinterpret_cast<float2*>(wa + dn * kMmaN) = a;
                 }
                 continue;
@@ -560,7 +560,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
                 a0 = merge_elem(prev.x, a0, wt);
                 a1 = merge_elem(prev.y, a1, wt);
               }
-              nonfinite = nonfinite || !isfinite(a0) || !isfinite(a1);
+              nonfinite |= either_nonfinite(a0, a1);
               *reinterpret_cast<uint32_t*>(out_row + dn * kMmaN) =
                   pack_rounded<T>(__fmul_rn(a0, inv_l), __fmul_rn(a1, inv_l));
             }
@@ -793,7 +793,7 @@ __global__ void __launch_bounds__(DecodeConfig<D>::THREADS)
 #pragma unroll
           for (int dn = 0; dn < Cfg::WARP_D_TILES; ++dn) {
             const float2 a = make_float2(acc[dn][2 * hh], acc[dn][2 * hh + 1]);
-            nonfinite = nonfinite || !isfinite(a.x) || !isfinite(a.y);
+            nonfinite |= either_nonfinite(a.x, a.y);
             *reinterpret_cast<float2*>(w.acc + slot * D + col + dn * kMmaN) = a;
           }
           continue;
@@ -804,7 +804,7 @@ __global__ void __launch_bounds__(DecodeConfig<D>::THREADS)
 #pragma unroll
       for (int dn = 0; dn < Cfg::WARP_D_TILES; ++dn) {
         const float a0 = acc[dn][2 * hh], a1 = acc[dn][2 * hh + 1];
-        nonfinite = nonfinite || !isfinite(a0) || !isfinite(a1);
+        nonfinite |= either_nonfinite(a0, a1);
         *reinterpret_cast<uint32_t*>(out_row + dn * kMmaN) = pack_rounded<T>(__fmul_rn(a0, inv_l), __fmul_rn(a1, inv_l));
       }
       if (warp == 0 && t == 0) p.lse[lse_at] = final_lse(m, l);

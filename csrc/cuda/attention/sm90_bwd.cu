@@ -258,7 +258,7 @@ __device__ __forceinline__ bool ordered_dq_turn(const AttentionGradProblem& gp, 
         __stcg(reinterpret_cast<float2*>(accum + row * D + dn * 8), make_float2(a0, a1));
       } else {
         const float s0 = __fmul_rn(a0, p.scale), s1 = __fmul_rn(a1, p.scale);
-        nonfinite = nonfinite || !isfinite(s0) || !isfinite(s1);
+        nonfinite |= either_nonfinite(s0, s1);
         *reinterpret_cast<uint32_t*>(dq + row * p.q_stride_token + dn * 8) = pack_rounded<T>(s0, s1);
       }
     }
@@ -276,16 +276,33 @@ __device__ __forceinline__ void release_and_advance(uint64_t* empty, int tid, in
   }
 }
 
-// Rows of a [rows][head_dim] operand, row r from `src(r)` (nullptr: zeros), into the
-// 128-byte-swizzle layout of a TMA box stack, by one warpgroup.
-template <int D, typename Src>
-__device__ __forceinline__ void store_rows_swizzled(uint8_t* dst, int tid, Src&& src) {
-  constexpr int CHUNKS = D / 8;
-  for (int i = tid; i < kTileRows * CHUNKS; i += kWarpgroupThreads) {
-    const int r = i / CHUNKS, c = i % CHUNKS;
-    const uint4* s = src(r);
-    const uint4 val = s != nullptr ? s[c] : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(dst + swizzled_chunk_offset(r, c / 8, c % 8)) = val;
+// Q and dO of the kTileRows GQA-packed rows row0.. of a (sequence, kv head) (row = query row / G,
+// head kv_head G + row % G; rows at or past `rows` zeros) into the 128-byte-swizzle layout of a
+// TMA box stack (q_dst, do_dst), by one warpgroup. Every load of a thread is issued before its
+// stores, and its rows' offsets are stepped, not divided per row.
+template <typename T, int D>
+__device__ __forceinline__ void load_q_do_swizzled(uint8_t* q_dst, uint8_t* do_dst, const T* q, const T* dout,
+                                                   const AttentionProblem& p, int64_t q_base, int kv_head, int row0,
+                                                   int rows, int group, int tid) {
+  constexpr int CHUNKS = D / 8, ROW_STEP = kWarpgroupThreads / CHUNKS, PASSES = kTileRows / ROW_STEP;
+  const int c = tid % CHUNKS, r0 = tid / CHUNKS;
+  int hg = (row0 + r0) % group;
+  int64_t at = q_base + static_cast<int64_t>((row0 + r0) / group) * p.q_stride_token +
+               (static_cast<int64_t>(kv_head) * group + hg) * p.q_stride_head + c * 8;
+  uint4 q_val[PASSES], do_val[PASSES];
+#pragma unroll
+  for (int j = 0; j < PASSES; ++j) {
+    const bool in_range = row0 + r0 + j * ROW_STEP < rows;
+    q_val[j] = in_range ? *reinterpret_cast<const uint4*>(q + at) : make_uint4(0, 0, 0, 0);
+    do_val[j] = in_range ? *reinterpret_cast<const uint4*>(dout + at) : make_uint4(0, 0, 0, 0);
+    at += ROW_STEP * p.q_stride_head;
+    for (hg += ROW_STEP; hg >= group; hg -= group) at += p.q_stride_token - group * p.q_stride_head;
+  }
+#pragma unroll
+  for (int j = 0; j < PASSES; ++j) {
+    const int off = swizzled_chunk_offset(r0 + j * ROW_STEP, c / 8, c % 8);
+    *reinterpret_cast<uint4*>(q_dst + off) = q_val[j];
+    *reinterpret_cast<uint4*>(do_dst + off) = do_val[j];
   }
 }
 #endif
@@ -662,7 +679,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         for (int dn = 0; dn < D / 8; ++dn) {
           const float k0 = __fmul_rn(dk_acc[0][dn][2 * hh], p.scale), k1 = __fmul_rn(dk_acc[0][dn][2 * hh + 1], p.scale);
           const float v0 = dv_acc[0][dn][2 * hh], v1 = dv_acc[0][dn][2 * hh + 1];
-          nonfinite = nonfinite || !isfinite(k0) || !isfinite(k1) || !isfinite(v0) || !isfinite(v1);
+          nonfinite |= either_nonfinite(k0, k1) | either_nonfinite(v0, v1);
           *reinterpret_cast<uint32_t*>(dk + off + dn * 8) = pack_rounded<T>(k0, k1);
           *reinterpret_cast<uint32_t*>(dv + off + dn * 8) = pack_rounded<T>(v0, v1);
         }
@@ -759,16 +776,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 
       named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);  // the last tile's products are done
       if (active) {
-        auto row_src = [&](const T* base) {
-          return [&, base](int r) -> const uint4* {
-            const int row = my_row0 + r;
-            if (row >= rows) return nullptr;
-            const int64_t i = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
-            return reinterpret_cast<const uint4*>(base + sq.q_base + i * p.q_stride_token + h * p.q_stride_head);
-          };
-        };
-        store_rows_swizzled<D>(my_q, tid, row_src(q));
-        store_rows_swizzled<D>(my_do, tid, row_src(dout));
+        load_q_do_swizzled<T, D>(my_q, my_do, q, dout, p, sq.q_base, kv_head, my_row0, rows, group, tid);
         fence_proxy_async();
       }
       named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);
@@ -885,7 +893,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) {
           const float a0 = __fmul_rn(dq_acc[0][dn][2 * hh], p.scale), a1 = __fmul_rn(dq_acc[0][dn][2 * hh + 1], p.scale);
-          nonfinite = nonfinite || !isfinite(a0) || !isfinite(a1);
+          nonfinite |= either_nonfinite(a0, a1);
           *reinterpret_cast<uint32_t*>(dq_row + dn * 8) = pack_rounded<T>(a0, a1);
         }
       }

@@ -133,6 +133,14 @@ __device__ __forceinline__ uint64_t kmajor_chunk(uint64_t tile, int ks) {
 }
 __device__ __forceinline__ uint64_t mn_chunk(uint64_t tile, int kc) { return smem_desc_at(tile, kc * 16 * kSwizzleRowBytes); }
 
+// Four 8x8 b16 matrices from the m16n8 accumulator layout (r[j]: matrix j's row lane / 4, columns
+// 2 (lane % 4) and + 1) to shared memory; lane i gives the address of row i % 8 of matrix i / 8.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // acc (a warpgroup's m64 x N accumulators, N = 64 BOXES) += A B for one k16 chunk, each row summing
 // only its allowed k positions whatever B holds at the others: A in registers (a), B = 16 rows (k)
 // of an MN-major tile of BOXES boxes, row r at b_rows + box * box_bytes + r * 128. Row hh of the

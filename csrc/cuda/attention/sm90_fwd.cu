@@ -37,6 +37,15 @@ constexpr int kKvBlock = static_cast<int>(kAttentionKvBlock);
 constexpr int kSplitBlocks = static_cast<int>(kAttentionKvSplit / kAttentionKvBlock);
 constexpr int kConsumerRows = 64;  // wgmma m64: rows per consumer warpgroup
 
+// A tile of the order, resolved: its sequence, kv head, split, rows [row0, row0 + BLOCK_M) of the
+// sequence's q_len * G, and its blocks [b_begin, b_end) (of the CTA's last row's [0, num_blocks);
+// one split's).
+struct alignas(16) FwdTile {
+  AttentionSeq sq;
+  int kv_head, split, kv_len, rows, first_pos, row0, b_begin, b_end;
+};
+constexpr int kFwdTileWords = static_cast<int>(sizeof(FwdTile) / 8);  // a scheduler slot's
+
 // CONSUMERS warpgroups of 64 rows (BLOCK_M rows per CTA) and a producer warpgroup; STAGES K/V
 // blocks in the TMA ring; PINGPONG: the two consumers take turns issuing their wgmmas, so that one
 // runs its softmax while the other's matrix products run.
@@ -65,6 +74,11 @@ struct Sm90FwdConfig {
   static constexpr int D_STEPS = HEAD_DIM / 16;         // k16 chunks of q . k
   static constexpr int KEY_STEPS = kKvBlock / 16;       // k16 chunks of P V
   static constexpr int Q_BYTES = CONSUMERS * D_BOXES * kBoxBytes;
+  // STAGED_OUT (one CTA per SM: two would not fit; the fast kernel, not its EXACT relaunch): each
+  // consumer warp's 16 output rows pass through O_WARP_BYTES of shared memory (fwd_epilogue).
+  static constexpr bool STAGED_OUT = MIN_BLOCKS_ == 1;
+  static constexpr int O_WARP_BYTES = 16 * HEAD_DIM * 2;
+  static constexpr int O_BYTES = STAGED_OUT ? CONSUMERS * (kWarpgroupThreads / 32) * O_WARP_BYTES : 0;
   static constexpr int KV_TILE_BYTES = D_BOXES * kBoxBytes;
   static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K then V
   // DYNAMIC_TILES (the prefill kernel, not its EXACT relaunch): a persistent grid whose CTAs claim
@@ -75,13 +89,13 @@ struct Sm90FwdConfig {
   // The scheduler is the producer warpgroup's warp CONSUMERS + 1; each slot is freed by the K/V
   // producer, the Q loaders and every consumer warp (lane 0 of each).
   static constexpr int SCHED_READERS = 1 + CONSUMERS + CONSUMERS * (kWarpgroupThreads / 32);
-  // 8-byte words after the ring: k_full, v_full, kv_empty per stage, v_tail; q_full, q_empty per
-  // consumer; sched_full, sched_empty and the tile index per scheduler slot.
-  static constexpr int BARRIERS = 3 * STAGES + 1 + 2 * CONSUMERS + 3 * SCHED_SLOTS;
+  // 8-byte words after the ring: the scheduler slots' tiles (FwdTile); k_full, v_full, kv_empty
+  // per stage, v_tail; q_full, q_empty per consumer; sched_full, sched_empty per scheduler slot.
+  static constexpr int BARRIERS = 3 * STAGES + 1 + 2 * CONSUMERS + 2 * SCHED_SLOTS + SCHED_SLOTS * kFwdTileWords;
   // Slack to align the tiles to 1024 bytes; none where two CTAs must fit an SM (228 KB less 1 KB
   // reserved per CTA): the kernel then traps if the dynamic shared memory is not so aligned.
   static constexpr int ALIGN_SLACK = MIN_BLOCKS_ > 1 ? 0 : 1024;
-  static constexpr int SMEM_BYTES = ALIGN_SLACK + Q_BYTES + STAGES * STAGE_BYTES + BARRIERS * 8;
+  static constexpr int SMEM_BYTES = ALIGN_SLACK + Q_BYTES + O_BYTES + STAGES * STAGE_BYTES + BARRIERS * 8;
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim");
   static_assert(CONSUMERS == 1 || CONSUMERS == 2, "consumer warpgroups");
   static_assert(BARRIERS * 8 <= 1024, "the barriers fit before the EXACT scratch");
@@ -101,22 +115,27 @@ enum class SplitMode : int {
 // a sequence's last (heaviest, causal) row tile. Pairs go in sections of pairs_per_section whose
 // K/V fit in L2 together; within a section the heaviest tiles of every pair come first (longest
 // job first). Scheduling only: no bit depends on it.
+struct TileRef {
+  int64_t seq;  // < 0: past the order's end
+  int visit, y;
+};
 struct TileOrder {
   int64_t tiles_max = 0;  // row tiles of the longest sequence
   int64_t grid_y = 0;     // kv heads (x splits)
   int64_t pairs = 0;      // num_seqs * grid_y
   int64_t pairs_per_section = 1;
   int64_t total = 0;      // pairs * tiles_max
-  __device__ void decode(int64_t t, int& visit, int64_t& seq, int& y) const {
+  __device__ TileRef at(int64_t t) const {
+    if (t >= total) return TileRef{-1, 0, 0};
     const int64_t section_tiles = pairs_per_section * tiles_max;
     const int64_t first_pair = t / section_tiles * pairs_per_section, r = t % section_tiles;
     const int64_t n_pairs = pairs - first_pair < pairs_per_section ? pairs - first_pair : pairs_per_section;
-    visit = static_cast<int>(r / n_pairs);
     const int64_t pair = first_pair + r % n_pairs;
-    seq = pair / grid_y;
-    y = static_cast<int>(pair % grid_y);
+    return TileRef{pair / grid_y, static_cast<int>(r / n_pairs), static_cast<int>(pair % grid_y)};
   }
 };
+
+enum class TileStep : int { kDone, kEmpty, kWork };
 
 // Named barriers: 1 + c: consumer c's own 128 threads; 3 + c: ping-pong turn of consumer c.
 constexpr int kConsumerBar = 1, kTurnBar = 3;
@@ -143,16 +162,20 @@ constexpr int sm90_fwd_smem_bytes() {
 template <typename T, int D>
 __device__ __forceinline__ void load_q_rows(uint32_t c_q_addr, const T* q, const AttentionProblem& p, int64_t q_base,
                                             int kv_head, int c_row0, int rows, int group, int lane) {
-  constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+  constexpr int CHUNKS = D / 8;            // 16-byte chunks per row
+  constexpr int ROW_STEP = 32 / CHUNKS;    // rows one pass of the warp covers
+  const int ch = lane % CHUNKS;
+  // The lane's row and its (query, head in group), stepped without a division per row.
+  int r = lane / CHUNKS, row = c_row0 + r, qi = row / group, hg = row % group;
 #pragma unroll 4
-  for (int i = lane; i < kConsumerRows * CHUNKS; i += 32) {
-    const int r = i / CHUNKS, ch = i % CHUNKS;
-    const int row = c_row0 + r;
-    const int64_t qi = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
+  for (; r < kConsumerRows; r += ROW_STEP) {
     const bool in_range = row < rows;
+    const int64_t h = static_cast<int64_t>(kv_head) * group + hg;
     cp_async_16_zfill(c_q_addr + swizzled_chunk_offset(r, ch / 8, ch % 8),
                       in_range ? q + q_base + qi * p.q_stride_token + h * p.q_stride_head + ch * 8 : q,
                       in_range ? 16 : 0);
+    row += ROW_STEP;
+    for (hg += ROW_STEP; hg >= group; hg -= group) ++qi;
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -295,15 +318,24 @@ __device__ __forceinline__ void pv_by_cuts(float (&acc_flat)[D / 2], const uint3
 // and kv head): out = acc * (1 / l) rounded once, lse by lane t = 0; a row past its first split
 // merges its last partial into the earlier ones' state (MERGE) or, PER_SPLIT with several splits,
 // leaves this split's partial for the combine kernel. A non-finite result sets the status word.
-template <typename T, int D, SplitMode MODE, bool EXACT>
+// STAGED: the rounded rows go through the warp's o_stage (16 rows, 128-byte-swizzled boxes of 64
+// columns, stmatrix) and leave as whole 16-byte chunks, a row's 256 bytes per half warp, rather
+// than as 4-byte words per thread.
+template <typename T, int D, SplitMode MODE, bool EXACT, bool STAGED>
 __device__ __forceinline__ void fwd_epilogue(const float (&acc)[1][D / 8][4], const float (&row_max)[1][2],
                                              const float (&row_sum)[1][2], const int (&row_last_key)[1][2], T* out,
                                              const AttentionProblem& p, const AttentionFwdWorkspace& w,
                                              const AttentionSeq& sq, int kv_head, int split, int rows, int group,
-                                             int warp_row0, int lane) {
+                                             int warp_row0, uint8_t* o_stage, int lane) {
   constexpr bool MERGE = MODE == SplitMode::kMerge, PER_SPLIT = MODE == SplitMode::kPerSplit;
+  static_assert(!(STAGED && PER_SPLIT), "a staged epilogue writes whole rows of out");
   const int g = lane / 4, t = lane % 4;
   bool nonfinite = false;
+  // Per row of the thread: whether out takes it here, and how (merged with earlier splits, 1 / l).
+  bool write[2] = {false, false}, merged[2] = {false, false};
+  SplitMergeWeights wt[2] = {{1.f, 1.f}, {1.f, 1.f}};
+  float inv_l[2] = {0.f, 0.f};
+  int64_t out_at[2] = {0, 0}, lse_row[2] = {0, 0};
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = warp_row0 + 8 * hh + g;
@@ -322,34 +354,75 @@ __device__ __forceinline__ void fwd_epilogue(const float (&acc)[1][D / 8][4], co
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) {
           const float2 a = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
-          nonfinite = nonfinite || !isfinite(a.x) || !isfinite(a.y);
+          nonfinite |= either_nonfinite(a.x, a.y);
           *reinterpret_cast<float2*>(wa + dn * 8) = a;
         }
         continue;
       }
     }
-    const bool merged = MERGE && row_last_key[0][hh] >= static_cast<int>(kAttentionKvSplit);
-    SplitMergeWeights wt{1.f, 1.f};
-    if (merged) {
+    merged[hh] = MERGE && row_last_key[0][hh] >= static_cast<int>(kAttentionKvSplit);
+    if (merged[hh]) {
       m = w.ml[2 * lse_at];
       l = w.ml[2 * lse_at + 1];
-      wt = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
+      wt[hh] = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
     }
-    const float inv_l = reciprocal(l);
-    T* out_row = out + sq.q_base + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
-    const float* wa = w.acc + lse_at * D + 2 * t;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      float a0 = acc[0][dn][2 * hh], a1 = acc[0][dn][2 * hh + 1];
-      if (merged) {
-        const float2 prev = *reinterpret_cast<const float2*>(wa + dn * 8);
-        a0 = merge_elem(prev.x, a0, wt);
-        a1 = merge_elem(prev.y, a1, wt);
-      }
-      nonfinite = nonfinite || !isfinite(a0) || !isfinite(a1);
-      *reinterpret_cast<uint32_t*>(out_row + dn * 8) = pack_rounded<T>(__fmul_rn(a0, inv_l), __fmul_rn(a1, inv_l));
-    }
+    inv_l[hh] = reciprocal(l);
+    out_at[hh] = sq.q_base + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
+    lse_row[hh] = lse_at;
+    write[hh] = true;
     if (t == 0) p.lse[lse_at] = final_lse(m, l);
+  }
+  // Columns 8 dn + 2 t, + 1 of row hh, rounded (merged first where the row merges).
+  auto rounded_pair = [&](int dn, int hh) -> uint32_t {
+    float a0 = acc[0][dn][2 * hh], a1 = acc[0][dn][2 * hh + 1];
+    if (merged[hh]) {
+      const float2 prev = *reinterpret_cast<const float2*>(w.acc + lse_row[hh] * D + 2 * t + dn * 8);
+      a0 = merge_elem(prev.x, a0, wt[hh]);
+      a1 = merge_elem(prev.y, a1, wt[hh]);
+    }
+    nonfinite |= write[hh] & either_nonfinite(a0, a1);
+    return pack_rounded<T>(__fmul_rn(a0, inv_l[hh]), __fmul_rn(a1, inv_l[hh]));
+  };
+  if constexpr (STAGED) {
+    constexpr int CHUNKS = D / 8, ROW_STEP = 32 / CHUNKS;  // 16-byte chunks per row; rows per pass
+    constexpr int STAGE_BOX_BYTES = 16 * kSwizzleRowBytes;  // 16 rows x 64 columns
+    auto staged_at = [&](int r, int ch) {
+      return (ch / 8) * STAGE_BOX_BYTES + r * kSwizzleRowBytes + ((ch % 8) ^ (r % 8)) * 16;
+    };
+    const int m = lane / 8;  // the matrix whose row lane % 8 this lane addresses: (row half, chunk)
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn += 2) {
+      const uint32_t r[4] = {rounded_pair(dn, 0), rounded_pair(dn, 1), rounded_pair(dn + 1, 0),
+                             rounded_pair(dn + 1, 1)};
+      stmatrix_x4(smem_addr(o_stage) + staged_at(8 * (m % 2) + lane % 8, dn + m / 2), r);
+    }
+    __syncwarp();
+    // Bit r: row r is written (lane 4 (r % 8) holds rows r % 8 and 8 + r % 8).
+    const unsigned low = __ballot_sync(0xffffffffu, write[0]), high = __ballot_sync(0xffffffffu, write[1]);
+    unsigned row_mask = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) row_mask |= ((low >> (4 * k)) & 1u) << k | ((high >> (4 * k)) & 1u) << (8 + k);
+    const int ch = lane % CHUNKS, r0 = lane / CHUNKS;
+    // Row r's head in the group and its chunk's offset in out, stepped from row to row.
+    int hg = (warp_row0 + r0) % group;
+    int64_t at = sq.q_base + static_cast<int64_t>((warp_row0 + r0) / group) * p.q_stride_token +
+                 (static_cast<int64_t>(kv_head) * group + hg) * p.q_stride_head + ch * 8;
+#pragma unroll
+    for (int j = 0; j < 16 / ROW_STEP; ++j) {
+      const int r = r0 + j * ROW_STEP;
+      const uint4 v = *reinterpret_cast<const uint4*>(o_stage + staged_at(r, ch));
+      if ((row_mask >> r) & 1u) *reinterpret_cast<uint4*>(out + at) = v;
+      at += ROW_STEP * p.q_stride_head;
+      for (hg += ROW_STEP; hg >= group; hg -= group) at += p.q_stride_token - group * p.q_stride_head;
+    }
+    __syncwarp();  // every lane's reads done before the next tile's stmatrix
+  } else {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (!write[hh]) continue;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) *reinterpret_cast<uint32_t*>(out + out_at[hh] + dn * 8) = rounded_pair(dn, hh);
+    }
   }
   if (!EXACT && w.masked_nonfinite != nullptr && __any_sync(0xffffffffu, nonfinite) && lane == 0) {
     *w.masked_nonfinite = 1;
@@ -371,8 +444,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   if (Cfg::ALIGN_SLACK == 0 && smem_addr(smem_raw) % 1024 != 0) __trap();
   uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   uint8_t* q_smem = smem;
-  uint8_t* ring = smem + Cfg::Q_BYTES;
-  uint64_t* k_full = reinterpret_cast<uint64_t*>(ring + STAGES * Cfg::STAGE_BYTES);
+  uint8_t* o_stage = smem + Cfg::Q_BYTES;
+  uint8_t* ring = o_stage + Cfg::O_BYTES;
+  FwdTile* sched_tile = reinterpret_cast<FwdTile*>(ring + STAGES * Cfg::STAGE_BYTES);
+  uint64_t* k_full = reinterpret_cast<uint64_t*>(sched_tile + Cfg::SCHED_SLOTS);
   uint64_t* v_full = k_full + STAGES;
   uint64_t* kv_empty = v_full + STAGES;
   uint64_t* v_tail = kv_empty + STAGES;
@@ -380,7 +455,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   uint64_t* q_empty = q_full + Cfg::CONSUMERS;
   uint64_t* sched_full = q_empty + Cfg::CONSUMERS;
   uint64_t* sched_empty = sched_full + Cfg::SCHED_SLOTS;
-  int64_t* sched_tile = reinterpret_cast<int64_t*>(sched_empty + Cfg::SCHED_SLOTS);
   // EXACT: a 1024-aligned scratch of D_BOXES x 16 value rows per consumer, after the barriers.
   uint8_t* cut_scratch = ring + STAGES * Cfg::STAGE_BYTES + 1024;
   auto k_stage = [&](int s) { return ring + s * Cfg::STAGE_BYTES; };
@@ -409,27 +483,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   // code they guard is not a divergent path (which would serialize the wgmma pipeline, C7520).
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  // What tile `tile` of the order holds, the same for every role: its sequence, kv head, split,
-  // rows [row0, row0 + BLOCK_M) of the sequence's q_len * G, and its blocks [b_begin, b_end) (of
-  // the CTA's last row's [0, num_blocks); one split's). Empty: no row, or no row reaching the split.
-  struct Tile {
-    AttentionSeq sq;
-    int kv_head, split, q_len, kv_len, rows, first_pos, row0, b_begin, b_end;
-  };
-  auto resolve = [&](int64_t tile, Tile& job) -> bool {
-    int visit_raw, y_raw;
-    int64_t s;
-    order.decode(tile, visit_raw, s, y_raw);
-    const int visit = uniform(visit_raw), y = uniform(y_raw);
+  // What tile `tile` of the order holds (FwdTile), the same for every role. Empty: no row, or no
+  // row reaching the split.
+  auto resolve = [&](const TileRef& tile, FwdTile& job) -> bool {
+    const int visit = uniform(tile.visit), y = uniform(tile.y);
     job.kv_head = PER_SPLIT ? y % static_cast<int>(p.heads_kv) : y;
     job.split = PER_SPLIT ? y / static_cast<int>(p.heads_kv) : 0;
-    job.sq = attention_seq(p, s);
-    job.q_len = uniform(static_cast<int>(job.sq.q_len));
+    job.sq = attention_seq(p, tile.seq);
+    const int q_len = uniform(static_cast<int>(job.sq.q_len));
     job.kv_len = uniform(static_cast<int>(job.sq.kv_len));
-    job.rows = job.q_len * group;
+    job.rows = q_len * group;
     const int tiles = (job.rows + BLOCK_M - 1) / BLOCK_M;
     if (visit >= tiles) return false;  // also q_len = 0
-    job.first_pos = job.kv_len - job.q_len;
+    job.first_pos = job.kv_len - q_len;
     job.row0 = (tiles - 1 - visit) * BLOCK_M;
     const int last_pos = job.first_pos + ((job.row0 + BLOCK_M < job.rows ? job.row0 + BLOCK_M : job.rows) - 1) / group;
     const int num_blocks = p.causal ? last_pos / kKvBlock + 1 : (job.kv_len + kKvBlock - 1) / kKvBlock;
@@ -438,19 +504,32 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     return job.b_begin < job.b_end;
   };
 
-  // The CTA's n-th tile, the same for every role: DYNAMIC, the scheduler's (read from its slot,
-  // which the warp's lane 0 then frees); else every gridDim.x-th from blockIdx.x. The CTA is done
-  // at the first tile >= order.total.
+  // The CTA's n-th tile into `job`, the same for every role. DYNAMIC: the scheduler's, resolved
+  // (read from its slot, which the warp's lane 0 then frees): the order's 64-bit divisions and the
+  // sequence descriptor's load run once per tile, a tile ahead, not in every warp between two
+  // tiles, and the scheduler skips empty tiles. Else every gridDim.x-th from blockIdx.x.
   constexpr bool DYNAMIC = Cfg::DYNAMIC_TILES && !EXACT;
-  auto tile_at = [&](int n) -> int64_t {
+  auto next_tile = [&](int n, FwdTile& job) -> TileStep {
     if constexpr (DYNAMIC) {
       const int slot = n % Cfg::SCHED_SLOTS;
       mbar_wait(&sched_full[slot], (n / Cfg::SCHED_SLOTS) & 1);
-      const int64_t tile = __shfl_sync(0xffffffffu, *reinterpret_cast<volatile int64_t*>(&sched_tile[slot]), 0);
+      job = sched_tile[slot];
+      __syncwarp();  // every lane has read the slot before lane 0 frees it
       if (threadIdx.x % 32 == 0) mbar_arrive(&sched_empty[slot]);
-      return tile;
+      if (uniform(job.b_end) < 0) return TileStep::kDone;
+      job.kv_head = uniform(job.kv_head);
+      job.split = uniform(job.split);
+      job.kv_len = uniform(job.kv_len);
+      job.rows = uniform(job.rows);
+      job.first_pos = uniform(job.first_pos);
+      job.row0 = uniform(job.row0);
+      job.b_begin = uniform(job.b_begin);
+      job.b_end = uniform(job.b_end);
+      return TileStep::kWork;
     } else {
-      return blockIdx.x + static_cast<int64_t>(n) * gridDim.x;
+      const TileRef tile = order.at(blockIdx.x + static_cast<int64_t>(n) * gridDim.x);
+      if (tile.seq < 0) return TileStep::kDone;
+      return resolve(tile, job) ? TileStep::kWork : TileStep::kEmpty;
     }
   };
 
@@ -458,7 +537,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     // ------------------------------------------------------------------------ producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Cfg::PRODUCER_REGS));
     const int producer_warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-    Tile job;
+    FwdTile job{};
     if constexpr (DYNAMIC) {
       if (producer_warp == Cfg::CONSUMERS + 1) {
         // ------------------------------------------------------------------------------ scheduler
@@ -466,20 +545,31 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         // first wave) once the consumers have begun the tile before it: one tile ahead, so the Q
         // loaders fetch the next tile's Q while this one runs, and the order stays longest first
         // across CTAs. Every CTA stops at its first claim past the end, so the launch makes exactly
-        // order.total claims: the last one zeroes the counter for the next launch.
-        if (lane != 0) return;
+        // order.total claims: the last one zeroes the counter for the next launch. Empty tiles are
+        // claimed past, unpublished. The warp's lanes resolve together (resolve's broadcasts).
+        auto claim = [&]() -> int64_t {
+          unsigned long long c = 0;
+          if (lane == 0) {
+            c = atomicAdd(w.tile_counter, 1ull);
+            if (c == static_cast<unsigned long long>(order.total - 1)) atomicExch(w.tile_counter, 0ull);
+          }
+          return gridDim.x + static_cast<int64_t>(__shfl_sync(0xffffffffu, c, 0));
+        };
         int64_t tile = blockIdx.x;
         for (int n = 0;; ++n) {
           const int slot = n % Cfg::SCHED_SLOTS;
           if (n > 0) {
             mbar_wait(&sched_empty[slot], ((n / Cfg::SCHED_SLOTS) & 1) ^ 1);
-            const unsigned long long claim = atomicAdd(w.tile_counter, 1ull);
-            if (claim == static_cast<unsigned long long>(order.total - 1)) atomicExch(w.tile_counter, 0ull);
-            tile = gridDim.x + static_cast<int64_t>(claim);
+            tile = claim();
           }
-          sched_tile[slot] = tile;
-          mbar_arrive(&sched_full[slot]);
-          if (tile >= order.total) return;
+          TileRef ref = order.at(tile);
+          while (ref.seq >= 0 && !resolve(ref, job)) ref = order.at(claim());
+          if (ref.seq < 0) job.b_end = -1;  // done
+          if (lane == 0) {
+            sched_tile[slot] = job;
+            mbar_arrive(&sched_full[slot]);
+          }
+          if (ref.seq < 0) return;
         }
       }
     }
@@ -493,9 +583,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       const uint32_t c_q_addr = smem_addr(c_q);
       uint32_t q_phase = 0;
       for (int n = 0;; ++n) {
-        const int64_t tile = tile_at(n);
-        if (tile >= order.total) return;
-        if (!resolve(tile, job) || job.row0 + c * kConsumerRows >= job.rows) continue;
+        const TileStep step = next_tile(n, job);
+        if (step == TileStep::kDone) return;
+        if (step == TileStep::kEmpty || job.row0 + c * kConsumerRows >= job.rows) continue;
         const int c_row0 = job.row0 + c * kConsumerRows;
         mbar_wait(&q_empty[c], q_phase ^ 1);
         load_q_rows<T, D>(c_q_addr, q, p, job.sq.q_base, job.kv_head, c_row0, job.rows, group, lane);
@@ -508,9 +598,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     // ------------------------------------------------------------------- K/V producer (warp 0)
     KvRingProducer<Cfg> kv_ring{ring, k_full, v_full, kv_empty, v_tail};
     for (int n = 0;; ++n) {
-      const int64_t tile = tile_at(n);
-      if (tile >= order.total) return;
-      if (!resolve(tile, job)) continue;
+      const TileStep step = next_tile(n, job);
+      if (step == TileStep::kDone) return;
+      if (step == TileStep::kEmpty) continue;
       int kv_c1, kv_c2;  // the map coordinates of the sequence's key 0 of this kv head
       kv_at.coords(job.sq.kv_base, job.kv_head, 0, kv_c1, kv_c2);
       for (int b = job.b_begin; b < job.b_end; ++b) {
@@ -552,11 +642,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   };
 
   uint32_t q_phase = 0;
-  Tile job;
+  FwdTile job;
   for (int n = 0;; ++n) {
-    const int64_t tile = tile_at(n);
-    if (tile >= order.total) break;
-    if (!resolve(tile, job)) continue;  // (the producer and the Q loaders skip it too)
+    const TileStep step = next_tile(n, job);
+    if (step == TileStep::kDone) break;
+    if (step == TileStep::kEmpty) continue;  // (the producer and the Q loaders skip it too)
     const AttentionSeq sq = job.sq;
     const int kv_head = job.kv_head, split = job.split, kv_len = job.kv_len, rows = job.rows;
     const int first_pos = job.first_pos, row0 = job.row0, b_begin = job.b_begin, b_end = job.b_end;
@@ -777,8 +867,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       if (!active) continue;
 
       // ------------------------------------------------------------------ epilogue
-      fwd_epilogue<T, D, MODE, EXACT>(acc, row_max, row_sum, row_last_key, out, p, w, sq, kv_head, split, rows, group,
-                                       warp_row0, lane);
+      constexpr bool STAGED = Cfg::STAGED_OUT && !EXACT;
+      fwd_epilogue<T, D, MODE, EXACT, STAGED>(acc, row_max, row_sum, row_last_key, out, p, w, sq, kv_head, split, rows,
+                                               group, warp_row0, o_stage + (consumer * 4 + warp) * Cfg::O_WARP_BYTES,
+                                               lane);
     }
   }
 #endif  // RL_ALIGN_SM90A_DEVICE
