@@ -3,8 +3,10 @@
 // the sm80 kernels pack them). The producer's warp 0 issues the K/V loads; its warps 1..CONSUMERS
 // gather each consumer's Q (any layout, cp.async into the swizzled layout) for the next tile while
 // the consumer finishes the current one; in the prefill kernel its warp CONSUMERS + 1 claims the
-// CTA's tiles from a counter (a persistent grid, longest tiles first). S = Q K^T is a wgmma RS (Q
-// in registers; SS where two CTAs share an SM); O += P V a wgmma RS (P from the S accumulators).
+// CTA's tiles from a counter (a persistent grid, longest tiles first) and resolves each for the
+// other warps. S = Q K^T is a wgmma RS (Q in registers; SS where two CTAs share an SM); O += P V a
+// wgmma RS (P from the S accumulators). The prefill kernel's output rows leave through shared
+// memory (stmatrix), as whole 16-byte chunks.
 //
 // Arithmetic: the sm80 forward's, step for step (sm80_fwd.cu header; the block recurrence
 // and the split merge are recurrence.cuh's functions, called on the wgmma accumulators,
