@@ -543,6 +543,17 @@ def _default_and_sm80(monkeypatch, run):
     return default, run()
 
 
+def _assert_packed_default_is_sm80(monkeypatch, seqs, causal):
+    """The sequences packed: out, lse, dq, dk and dv of the default path equal forced sm80's bit
+    for bit."""
+    (q, k, v, dout), cu = _packed(seqs, "cuda")
+    default, sm80 = _default_and_sm80(monkeypatch, lambda: _run_varlen(q, k, v, dout, cu, causal))
+    for name, got, want in zip(("out", "lse"), default[:2], sm80[:2]):
+        _assert_equal(got, want, f"default path vs sm80: {name}")
+    for name, got, want in zip("qkv", default[2], sm80[2]):
+        _assert_equal(got, want, f"default path vs sm80: d{name}")
+
+
 def _cuda_kernels(run) -> set[str]:
     """The names of the CUDA kernels run() launches (run once before, unprofiled: one-time setup
     stays out)."""
@@ -607,13 +618,7 @@ def test_default_path_is_sm90_on_hopper_else_sm80(monkeypatch):
 def test_default_path_gives_the_sm80_bits_packed(monkeypatch, dtype, head_dim, causal):
     """Packed PATH_LENGTHS: out, lse, dq, dk and dv of the default path (sm90 on an H100, sm80
     elsewhere) equal those of forced sm80 bit for bit."""
-    seqs = _sequences(PATH_LENGTHS, 8, 2, head_dim, dtype, "cuda")
-    (q, k, v, dout), cu = _packed(seqs, "cuda")
-    default, sm80 = _default_and_sm80(monkeypatch, lambda: _run_varlen(q, k, v, dout, cu, causal))
-    for name, got, want in zip(("out", "lse"), default[:2], sm80[:2]):
-        _assert_equal(got, want, f"default path vs sm80: {name}")
-    for name, got, want in zip("qkv", default[2], sm80[2]):
-        _assert_equal(got, want, f"default path vs sm80: d{name}")
+    _assert_packed_default_is_sm80(monkeypatch, _sequences(PATH_LENGTHS, 8, 2, head_dim, dtype, "cuda"), causal)
 
 
 @pytest.mark.cuda
@@ -624,12 +629,7 @@ def test_default_path_gives_the_sm80_bits_for_any_group(monkeypatch, hq, hkv):
     without a division. out, lse, dq, dk and dv equal forced sm80's bit for bit (packed, causal,
     bf16 d128; past 1024 keys, so the dQ kernel's own Q and dO loads run too)."""
     seqs = _sequences([1, 37, 65, 300, 1100], hq, hkv, 128, torch.bfloat16, "cuda")
-    (q, k, v, dout), cu = _packed(seqs, "cuda")
-    default, sm80 = _default_and_sm80(monkeypatch, lambda: _run_varlen(q, k, v, dout, cu, True))
-    for name, got, want in zip(("out", "lse"), default[:2], sm80[:2]):
-        _assert_equal(got, want, f"default path vs sm80: {name}")
-    for name, got, want in zip("qkv", default[2], sm80[2]):
-        _assert_equal(got, want, f"default path vs sm80: d{name}")
+    _assert_packed_default_is_sm80(monkeypatch, seqs, True)
 
 
 DQ_ENV = "RL_ENGINE_EXT_ATTENTION_DQ"
