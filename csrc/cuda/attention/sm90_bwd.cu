@@ -8,6 +8,8 @@
 //          Q and dO. Per block: S^T = K Q^T (SS), P^T = ex2(fma(S^T, scale log2(e), -lse log2(e)))
 //          masked -> +0, dV += P^T dO (RS, 4 k16 query chunks increasing), dP^T = V dO^T (SS),
 //          dS^T = P^T (dP^T - delta) masked -> +0, dK += dS^T Q (RS); dK *= scale at the end.
+//          dP^T is issued right after S^T, so that it runs on the tensor cores while P^T is
+//          computed (likewise dP after S in the dQ kernel).
 //   dQ     CTA = (sequence, kv head g, tile of 128 rows, row = query i of head g G + r, GQA packed
 //          as in the forward): consumer c owns rows 64 c ..; the producer streams 64-key K/V blocks.
 //          Per block: S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K (RS, 4 k16 key
@@ -286,17 +288,14 @@ __device__ __forceinline__ void load_q_do_swizzled(uint8_t* q_dst, uint8_t* do_d
                                                    int rows, int group, int tid) {
   constexpr int CHUNKS = D / 8, ROW_STEP = kWarpgroupThreads / CHUNKS, PASSES = kTileRows / ROW_STEP;
   const int c = tid % CHUNKS, r0 = tid / CHUNKS;
-  int hg = (row0 + r0) % group;
-  int64_t at = q_base + static_cast<int64_t>((row0 + r0) / group) * p.q_stride_token +
-               (static_cast<int64_t>(kv_head) * group + hg) * p.q_stride_head + c * 8;
+  PackedRowWalker row(q_base + c * 8, row0 + r0, kv_head, group, p.q_stride_token, p.q_stride_head);
   uint4 q_val[PASSES], do_val[PASSES];
 #pragma unroll
   for (int j = 0; j < PASSES; ++j) {
     const bool in_range = row0 + r0 + j * ROW_STEP < rows;
-    q_val[j] = in_range ? *reinterpret_cast<const uint4*>(q + at) : make_uint4(0, 0, 0, 0);
-    do_val[j] = in_range ? *reinterpret_cast<const uint4*>(dout + at) : make_uint4(0, 0, 0, 0);
-    at += ROW_STEP * p.q_stride_head;
-    for (hg += ROW_STEP; hg >= group; hg -= group) at += p.q_stride_token - group * p.q_stride_head;
+    q_val[j] = in_range ? *reinterpret_cast<const uint4*>(q + row.at) : make_uint4(0, 0, 0, 0);
+    do_val[j] = in_range ? *reinterpret_cast<const uint4*>(dout + row.at) : make_uint4(0, 0, 0, 0);
+    row.step(ROW_STEP);
   }
 #pragma unroll
   for (int j = 0; j < PASSES; ++j) {
@@ -531,12 +530,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           // lse log2(e) and delta of this thread's query columns qstart + 8 nt + 2 t + e.
           float pt[1][8][4];
           float(&pt_flat)[32] = *reinterpret_cast<float(*)[32]>(&pt[0][0][0]);
+          float dpt[1][8][4];
+          float(&dpt_flat)[32] = *reinterpret_cast<float(*)[32]>(&dpt[0][0][0]);
+          // S^T = K Q^T, then dP^T = V dO^T on the tensor cores while P^T is computed.
           wgmma_fence();
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
             Wgmma<64, T>::template mma<0, 0>(pt_flat, kmajor_chunk(my_k, ks), kmajor_chunk(q_desc, ks), ks > 0);
           wgmma_commit();
-          wgmma_wait<0>();
+#pragma unroll
+          for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
+            Wgmma<64, T>::template mma<0, 0>(dpt_flat, kmajor_chunk(my_v, ks), kmajor_chunk(do_desc, ks), ks > 0);
+          wgmma_commit();
+          wgmma_wait<1>();
           fence_accumulators(pt_flat);
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
@@ -568,9 +574,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           uint32_t pa[4][4];
 #pragma unroll
           for (int kc = 0; kc < 4; ++kc) c_to_a<T>(pa[kc], pt[0][2 * kc], pt[0][2 * kc + 1]);
-          // dV += P^T dO (queries as k), then dP^T = V dO^T, on the tensor cores together.
-          float dpt[1][8][4];
-          float(&dpt_flat)[32] = *reinterpret_cast<float(*)[32]>(&dpt[0][0][0]);
+          // dV += P^T dO (queries as k).
           // EXACT on the diagonal: key row r may use the chunk's queries from its own position on.
           const bool cuts = EXACT && p.causal && my_key0 + kTileRows - 1 > first_pos + qstart;
           auto by_cuts = [&](float (&acc)[D / 2], const uint32_t (&a)[4][4], const uint8_t* b_tile) {
@@ -593,17 +597,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
                                               kConsumerBar + consumer);
             }
           };
-          if (cuts) by_cuts(dv_flat, pa, do_stage(stage));
-          wgmma_fence();
-          if (!cuts) {
+          if (cuts) {
+            by_cuts(dv_flat, pa, do_stage(stage));
+          } else {
+            wgmma_fence();
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dv_flat, pa[kc], mn_chunk(do_desc, kc), 1);
             wgmma_commit();
           }
-#pragma unroll
-          for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(dpt_flat, kmajor_chunk(my_v, ks), kmajor_chunk(do_desc, ks), ks > 0);
-          wgmma_commit();
           wgmma_wait<0>();
           fence_accumulators(dpt_flat);
           fence_accumulators(dv_flat);
@@ -823,9 +824,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
             Wgmma<64, T>::template mma<0, 0>(ds_flat, kmajor_chunk(do_desc, ks), kmajor_chunk(v_desc, ks), ks > 0);
           wgmma_commit();
-          wgmma_wait<0>();
+          wgmma_wait<1>();  // S done; dP still on the tensor cores while P is computed
           fence_accumulators(sp_flat);
-          fence_accumulators(ds_flat);
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -846,6 +846,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             }
           };
           if (masked) mask_block(sp);
+          wgmma_wait<0>();
+          fence_accumulators(ds_flat);
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll

@@ -124,6 +124,27 @@ inline bool encode_operand_map(CUtensorMap* map, const OperandMap& info, DType d
 }
 
 #ifdef RL_ALIGN_SM90A_DEVICE
+// Where a GQA-packed row (row = query * group + head in group, as the kernels pack a kv head's
+// query rows) lives in a [token, head] operand: `at`, the element offset of its (query,
+// kv_head * group + head in group) from the sequence's base, stepped from row to row without a
+// division per row (the loaders and the staged output walk each lane's rows this way).
+struct PackedRowWalker {
+  int64_t at;
+  int head_in_group, group;
+  int64_t stride_token, stride_head;
+  __device__ __forceinline__ PackedRowWalker(int64_t base, int row, int kv_head, int group_, int64_t stride_token_,
+                                             int64_t stride_head_)
+      : head_in_group(row % group_), group(group_), stride_token(stride_token_), stride_head(stride_head_) {
+    at = base + static_cast<int64_t>(row / group) * stride_token +
+         (static_cast<int64_t>(kv_head) * group + head_in_group) * stride_head;
+  }
+  // To the row n (> 0) rows on.
+  __device__ __forceinline__ void step(int n) {
+    at += n * stride_head;
+    for (head_in_group += n; head_in_group >= group; head_in_group -= group) at += stride_token - group * stride_head;
+  }
+};
+
 // wgmma descriptors of a tile of boxes (kBoxBytes apart): box_desc of its first box, then its k16
 // chunk as an offset from that (smem_desc_at): chunk ks of a K-major tile (128-byte rows of d),
 // chunk kc of an MN-major one (16 rows of k each).

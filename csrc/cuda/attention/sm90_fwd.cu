@@ -167,17 +167,13 @@ __device__ __forceinline__ void load_q_rows(uint32_t c_q_addr, const T* q, const
   constexpr int CHUNKS = D / 8;            // 16-byte chunks per row
   constexpr int ROW_STEP = 32 / CHUNKS;    // rows one pass of the warp covers
   const int ch = lane % CHUNKS;
-  // The lane's row and its (query, head in group), stepped without a division per row.
-  int r = lane / CHUNKS, row = c_row0 + r, qi = row / group, hg = row % group;
+  PackedRowWalker walker(q_base + ch * 8, c_row0 + lane / CHUNKS, kv_head, group, p.q_stride_token, p.q_stride_head);
 #pragma unroll 4
-  for (; r < kConsumerRows; r += ROW_STEP) {
-    const bool in_range = row < rows;
-    const int64_t h = static_cast<int64_t>(kv_head) * group + hg;
-    cp_async_16_zfill(c_q_addr + swizzled_chunk_offset(r, ch / 8, ch % 8),
-                      in_range ? q + q_base + qi * p.q_stride_token + h * p.q_stride_head + ch * 8 : q,
+  for (int r = lane / CHUNKS; r < kConsumerRows; r += ROW_STEP) {
+    const bool in_range = c_row0 + r < rows;
+    cp_async_16_zfill(c_q_addr + swizzled_chunk_offset(r, ch / 8, ch % 8), in_range ? q + walker.at : q,
                       in_range ? 16 : 0);
-    row += ROW_STEP;
-    for (hg += ROW_STEP; hg >= group; hg -= group) ++qi;
+    walker.step(ROW_STEP);
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -399,23 +395,15 @@ __device__ __forceinline__ void fwd_epilogue(const float (&acc)[1][D / 8][4], co
       stmatrix_x4(smem_addr(o_stage) + staged_at(8 * (m % 2) + lane % 8, dn + m / 2), r);
     }
     __syncwarp();
-    // Bit r: row r is written (lane 4 (r % 8) holds rows r % 8 and 8 + r % 8).
-    const unsigned low = __ballot_sync(0xffffffffu, write[0]), high = __ballot_sync(0xffffffffu, write[1]);
-    unsigned row_mask = 0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) row_mask |= ((low >> (4 * k)) & 1u) << k | ((high >> (4 * k)) & 1u) << (8 + k);
+    // Without PER_SPLIT every row below `rows` is written here.
     const int ch = lane % CHUNKS, r0 = lane / CHUNKS;
-    // Row r's head in the group and its chunk's offset in out, stepped from row to row.
-    int hg = (warp_row0 + r0) % group;
-    int64_t at = sq.q_base + static_cast<int64_t>((warp_row0 + r0) / group) * p.q_stride_token +
-                 (static_cast<int64_t>(kv_head) * group + hg) * p.q_stride_head + ch * 8;
+    PackedRowWalker row(sq.q_base + ch * 8, warp_row0 + r0, kv_head, group, p.q_stride_token, p.q_stride_head);
 #pragma unroll
     for (int j = 0; j < 16 / ROW_STEP; ++j) {
       const int r = r0 + j * ROW_STEP;
       const uint4 v = *reinterpret_cast<const uint4*>(o_stage + staged_at(r, ch));
-      if ((row_mask >> r) & 1u) *reinterpret_cast<uint4*>(out + at) = v;
-      at += ROW_STEP * p.q_stride_head;
-      for (hg += ROW_STEP; hg >= group; hg -= group) at += p.q_stride_token - group * p.q_stride_head;
+      if (warp_row0 + r < rows) *reinterpret_cast<uint4*>(out + row.at) = v;
+      row.step(ROW_STEP);
     }
     __syncwarp();  // every lane's reads done before the next tile's stmatrix
   } else {
