@@ -268,15 +268,37 @@ __device__ __forceinline__ bool ordered_dq_turn(const AttentionGradProblem& gp, 
   return nonfinite;
 }
 
-// A consumer's release of its ring stage (kStageReleaseArrivals), then the next stage.
+// A consumer's place in its ring: the stage and phase it waits on, and a held stage: one whose
+// block's last product (dK += dS^T Q, or dQ += dS K, reading the stage's tile) was issued and not
+// waited for, so that the next block's S and dP queue on the tensor cores behind it. A held stage
+// is released once a later wait has seen that product finish (release_held); the consumer does so
+// before it skips a block or ends a tile, so that no stage stays held while the producer needs it.
 template <int STAGES, bool EXACT>
-__device__ __forceinline__ void release_and_advance(uint64_t* empty, int tid, int& stage, uint32_t& phase) {
-  if (arrives_on_stage_release<EXACT>(tid)) mbar_arrive(&empty[stage]);
-  if (++stage == STAGES) {
-    stage = 0;
-    phase ^= 1;
+struct ConsumerRing {
+  int stage = 0, held = -1;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
   }
-}
+  // Releases the current stage (kStageReleaseArrivals), then takes the next.
+  __device__ __forceinline__ void release_and_advance(uint64_t* empty, int tid) {
+    if (arrives_on_stage_release<EXACT>(tid)) mbar_arrive(&empty[stage]);
+    advance();
+  }
+  // Holds the current stage (its product still runs), then takes the next.
+  __device__ __forceinline__ void hold_and_advance() {
+    held = stage;
+    advance();
+  }
+  // Releases the held stage, if any: the caller has waited for its product.
+  __device__ __forceinline__ void release_held(uint64_t* empty, int tid) {
+    if (held >= 0 && arrives_on_stage_release<EXACT>(tid)) mbar_arrive(&empty[held]);
+    held = -1;
+  }
+};
 
 // Q and dO of the kTileRows GQA-packed rows row0.. of a (sequence, kv head) (row = query row / G,
 // head kv_head G + row % G; rows at or past `rows` zeros) into the 128-byte-swizzle layout of a
@@ -484,8 +506,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   T* __restrict__ dv = static_cast<T*>(gp.dv);
   const uint64_t my_k = box_desc(smem_addr(k_tile + consumer * Cfg::TILE_BYTES));
   const uint64_t my_v = box_desc(smem_addr(v_tile + consumer * Cfg::TILE_BYTES));
-  int stage = 0, ds_buffer = 0;
-  uint32_t phase = 0, kv_phase = 0, acc_phase = 0;
+  // HOLD_DK: a block's dK product is waited for at the next block's first wait (ConsumerRing).
+  constexpr bool HOLD_DK = !EXACT && !ORDERED_DQ;
+  ConsumerRing<STAGES, EXACT> ring;
+  int ds_buffer = 0;
+  uint32_t kv_phase = 0, acc_phase = 0;
 
   for (int64_t s = seq0; s < p.num_seqs; s += seq_step) {
     const AttentionSeq sq = attention_seq(p, s);
@@ -520,7 +545,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         const int qstart = (first_qb + it % q_blocks) * kTileRows;
         const int64_t lse_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head;
         uint8_t* my_ds = sm.scratch + (ds_buffer * Cfg::CONSUMERS + consumer) * kBoxBytes;
-        mbar_wait(&sm.full[stage], phase);
+        const int stage = ring.stage;
+        mbar_wait(&sm.full[stage], ring.phase);
         // A warpgroup whose keys all come after the block's last query (causal), or lie past
         // kv_len, would only add exact zeros / unused values: skipped (released only; its dS tile
         // for the ordered dQ is +0).
@@ -532,18 +558,23 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           float(&pt_flat)[32] = *reinterpret_cast<float(*)[32]>(&pt[0][0][0]);
           float dpt[1][8][4];
           float(&dpt_flat)[32] = *reinterpret_cast<float(*)[32]>(&dpt[0][0][0]);
-          // S^T = K Q^T, then dP^T = V dO^T on the tensor cores while P^T is computed.
+          auto issue_dpt = [&]() {
+#pragma unroll
+            for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
+              Wgmma<64, T>::template mma<0, 0>(dpt_flat, kmajor_chunk(my_v, ks), kmajor_chunk(do_desc, ks), ks > 0);
+            wgmma_commit();
+          };
+          // S^T = K Q^T, then dP^T = V dO^T on the tensor cores while P^T is computed (the EXACT
+          // kernel issues dP^T after its dV by cuts: it has no registers to spare).
           wgmma_fence();
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
             Wgmma<64, T>::template mma<0, 0>(pt_flat, kmajor_chunk(my_k, ks), kmajor_chunk(q_desc, ks), ks > 0);
           wgmma_commit();
-#pragma unroll
-          for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(dpt_flat, kmajor_chunk(my_v, ks), kmajor_chunk(do_desc, ks), ks > 0);
-          wgmma_commit();
-          wgmma_wait<1>();
+          if constexpr (!EXACT) issue_dpt();
+          wgmma_wait<EXACT ? 0 : 1>();  // S^T done (and the held stage's dK product before it)
           fence_accumulators(pt_flat);
+          if constexpr (HOLD_DK) ring.release_held(sm.empty, tid);
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
             const int i0 = qstart + nt * 8 + 2 * t;
@@ -605,6 +636,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dv_flat, pa[kc], mn_chunk(do_desc, kc), 1);
             wgmma_commit();
           }
+          if constexpr (EXACT) {
+            wgmma_fence();
+            issue_dpt();
+          }
           wgmma_wait<0>();
           fence_accumulators(dpt_flat);
           fence_accumulators(dv_flat);
@@ -631,6 +666,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           for (int kc = 0; kc < 4; ++kc) c_to_a<T>(pa[kc], dpt[0][2 * kc], dpt[0][2 * kc + 1]);
           if (cuts) {
             by_cuts(dk_flat, pa, q_stage(stage));
+          } else if constexpr (HOLD_DK) {
+            wgmma_fence();
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dk_flat, pa[kc], mn_chunk(q_desc, kc), 1);
+            wgmma_commit();
           } else {
             rs_block_product<T, D>(dk_flat, pa, q_desc);
           }
@@ -650,7 +690,15 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         } else if (ORDERED_DQ) {
           for (int i = tid; i < kBoxBytes / 16; i += kWarpgroupThreads) reinterpret_cast<uint4*>(my_ds)[i] = make_uint4(0, 0, 0, 0);
         }
-        release_and_advance<STAGES, EXACT>(sm.empty, tid, stage, phase);
+        if (HOLD_DK && !skip) {
+          ring.hold_and_advance();
+        } else {
+          if constexpr (HOLD_DK) {
+            wgmma_wait<0>();
+            ring.release_held(sm.empty, tid);
+          }
+          ring.release_and_advance(sm.empty, tid);
+        }
         if constexpr (ORDERED_DQ) {
           fence_proxy_async();  // the dS tile's stores, to the wgmma's reads
           named_bar_sync(kDsReadyBar, Cfg::CONSUMERS * kWarpgroupThreads);  // both dS tiles are stored
@@ -669,6 +717,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         }
       }
 
+      if constexpr (HOLD_DK) {
+        wgmma_wait<0>();
+        fence_accumulators(dk_flat);
+        ring.release_held(sm.empty, tid);
+      }
       // Epilogue: keys below kv_len; dK = scale * acc and dV rounded once.
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -760,8 +813,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   T* __restrict__ dq = static_cast<T*>(gp.dq);
   uint8_t* my_q = q_tile + consumer * Cfg::TILE_BYTES;
   uint8_t* my_do = do_tile + consumer * Cfg::TILE_BYTES;
-  int stage = 0;
-  uint32_t phase = 0;
+  // HOLD_DQ: a block's dQ product is waited for at the next block's first wait (ConsumerRing).
+  constexpr bool HOLD_DQ = !EXACT;
+  ConsumerRing<STAGES, EXACT> ring;
 
   for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
     const AttentionSeq sq = attention_seq(p, s);
@@ -808,7 +862,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       const int my_first_pos = first_pos + my_row0 / group;
 
       for (int b = 0; b < num_blocks; ++b) {
-        mbar_wait(&sm.full[stage], phase);
+        const int stage = ring.stage;
+        mbar_wait(&sm.full[stage], ring.phase);
         if (b < my_end) {
           const int key0 = b * kTileRows;
           const uint64_t k_desc = box_desc(smem_addr(k_stage(stage))), v_desc = box_desc(smem_addr(v_stage(stage)));
@@ -824,8 +879,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
             Wgmma<64, T>::template mma<0, 0>(ds_flat, kmajor_chunk(do_desc, ks), kmajor_chunk(v_desc, ks), ks > 0);
           wgmma_commit();
-          wgmma_wait<1>();  // S done; dP still on the tensor cores while P is computed
+          wgmma_wait<1>();  // S done (and the held stage's dQ product before it); dP still runs
           fence_accumulators(sp_flat);
+          if constexpr (HOLD_DQ) ring.release_held(sm.empty, tid);
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -877,11 +933,29 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
               rs_product_by_cuts<T, D, true>(dq_flat, ak, k_stage(stage) + 16 * kc * 128, kBoxBytes, scratch, count,
                                              tid, kConsumerBar + consumer);
             }
+          } else if constexpr (HOLD_DQ) {
+            wgmma_fence();
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dq_flat, dsa[kc], mn_chunk(k_desc, kc), 1);
+            wgmma_commit();
           } else {
             rs_block_product<T, D>(dq_flat, dsa, k_desc);
           }
         }
-        release_and_advance<STAGES, EXACT>(sm.empty, tid, stage, phase);
+        if (HOLD_DQ && b < my_end) {
+          ring.hold_and_advance();
+        } else {
+          if constexpr (HOLD_DQ) {
+            wgmma_wait<0>();
+            ring.release_held(sm.empty, tid);
+          }
+          ring.release_and_advance(sm.empty, tid);
+        }
+      }
+      if constexpr (HOLD_DQ) {
+        wgmma_wait<0>();
+        fence_accumulators(dq_flat);
+        ring.release_held(sm.empty, tid);
       }
       if (!active) continue;
 
@@ -922,7 +996,11 @@ inline bool encode_dq_accum_map(CUtensorMap* map, float* dq_accum, int64_t rows,
 template <typename T, int D>
 gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const AttentionBwdWorkspace& w,
                       const OperandMap& q_at, const OperandMap& kv_at, gpuStream_t stream) {
-  using Cfg = BwdConfig<D, 2>;
+  // Three stages where a held product (ConsumerRing) keeps one from the producer for a while;
+  // two for the ordered dQ, whose sums tiles fill the rest of the shared memory.
+  using Cfg = BwdConfig<D, 3>;
+  using OrderedCfg = BwdConfig<D, 2>;
+  static_assert(Cfg::ROWS == OrderedCfg::ROWS, "the same key tiles");
   const AttentionProblem& p = gp.fwd;
   const int64_t group = p.heads_q / p.heads_kv;
   const float scale_log2 = scale_log2e(p);
@@ -942,21 +1020,22 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Attenti
   CUtensorMap acc_map{};
   const bool ordered = w.dq_accum != nullptr && w.turns != nullptr && w.rows <= INT32_MAX &&
                        p.heads_kv * p.num_seqs * key_tiles <= INT32_MAX &&
-                       encode_dq_accum_map(&acc_map, w.dq_accum, w.rows, D, Cfg::ACC_BOX_COLUMNS);
+                       encode_dq_accum_map(&acc_map, w.dq_accum, w.rows, D, OrderedCfg::ACC_BOX_COLUMNS);
   auto dkdv = [&](auto exact_tag, auto ordered_tag) -> gpuError_t {
     constexpr bool EXACT = decltype(exact_tag)::value, ORDERED_DQ = decltype(ordered_tag)::value;
-    constexpr int kSmem = EXACT ? Cfg::EXACT_SMEM_BYTES : ORDERED_DQ ? Cfg::ORDERED_SMEM_BYTES : Cfg::SMEM_BYTES;
+    using KCfg = std::conditional_t<ORDERED_DQ, OrderedCfg, Cfg>;
+    constexpr int kSmem = EXACT ? KCfg::EXACT_SMEM_BYTES : ORDERED_DQ ? KCfg::ORDERED_SMEM_BYTES : KCfg::SMEM_BYTES;
     // The kernels walk sequences and tiles grid-stride, except the ordered one (a CTA per item).
     // The EXACT launch mostly finds nothing to do (the status word is 0): a small grid keeps it
     // to a few microseconds.
     const dim3 grid = ORDERED_DQ ? dim3(static_cast<unsigned>(p.heads_kv * p.num_seqs * key_tiles))
                                  : dim3(static_cast<unsigned>(p.heads_kv), capped(p.num_seqs, EXACT ? 16 : 65535),
                                         EXACT ? 1u : capped(key_tiles, 65535));
-    auto kernel = attention_bwd_dkdv_sm90_kernel<T, Cfg, EXACT, ORDERED_DQ>;
+    auto kernel = attention_bwd_dkdv_sm90_kernel<T, KCfg, EXACT, ORDERED_DQ>;
     static std::atomic<uint64_t> raised{0};
     const gpuError_t e = allow_dynamic_smem(kernel, kSmem, raised);
     if (e != cudaSuccess) return e;
-    kernel<<<grid, Cfg::THREADS, kSmem, stream>>>(q_map, do_map, k_map, v_map, acc_map, q_at, kv_at, gp, w,
+    kernel<<<grid, KCfg::THREADS, kSmem, stream>>>(q_map, do_map, k_map, v_map, acc_map, q_at, kv_at, gp, w,
                                                   static_cast<int>(group), scale_log2);
     return cudaGetLastError();
   };
