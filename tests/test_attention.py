@@ -640,7 +640,7 @@ DQ_ENV = "RL_ENGINE_EXT_ATTENTION_DQ"
 @pytest.mark.parametrize("head_dim", [64, 128])
 @tensor_core_dtypes
 def test_sm90_ordered_dq_gives_the_recompute_bits(monkeypatch, dtype, head_dim, causal):
-    """The sm90 backward's dQ by ordered turns of the key tiles (the default) equals the dQ
+    """The sm90 backward's dQ by ordered turns of the key tiles (forced) equals the dQ
     kernel's recompute bit for bit, dK and dV too: packed PATH_LENGTHS (up to 33 key tiles waiting
     on each other, tails of 1..63 keys whose K rows are another sequence's) and a padded batch
     (padding rows random: read by no product)."""
@@ -675,7 +675,7 @@ def test_sm90_ordered_dq_gives_the_recompute_bits(monkeypatch, dtype, head_dim, 
         _assert_equal(got, want, f"ordered vs recompute: {name}")
 
 
-ORDERED_DQ_MAX_KV_LEN = 1024  # kOrderedDqMaxKvLen (csrc/cuda/attention_kernels.h)
+ORDERED_DQ_MAX_KV_LEN = 512  # kOrderedDqMaxKvLen (csrc/cuda/attention_kernels.h)
 
 
 @pytest.mark.cuda
