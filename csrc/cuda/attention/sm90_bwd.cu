@@ -9,7 +9,8 @@
 //          masked -> +0, dV += P^T dO (RS, 4 k16 query chunks increasing), dP^T = V dO^T (SS),
 //          dS^T = P^T (dP^T - delta) masked -> +0, dK += dS^T Q (RS); dK *= scale at the end.
 //          dP^T is issued right after S^T, so that it runs on the tensor cores while P^T is
-//          computed (likewise dP after S in the dQ kernel).
+//          computed (likewise dP after S in the dQ kernel), and a block's last product (dK, dQ)
+//          is waited for at the next block's first wait (ConsumerRing).
 //   dQ     CTA = (sequence, kv head g, tile of 128 rows, row = query i of head g G + r, GQA packed
 //          as in the forward): consumer c owns rows 64 c ..; the producer streams 64-key K/V blocks.
 //          Per block: S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K (RS, 4 k16 key
