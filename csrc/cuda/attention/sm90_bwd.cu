@@ -299,6 +299,23 @@ struct ConsumerRing {
     if (held >= 0 && arrives_on_stage_release<EXACT>(tid)) mbar_arrive(&empty[held]);
     held = -1;
   }
+  // Waits for every product issued and releases the held stage (before a skipped block, at a
+  // tile's end).
+  __device__ __forceinline__ void drain(uint64_t* empty, int tid) {
+    wgmma_wait<0>();
+    release_held(empty, tid);
+  }
+  // The end of a block: HOLD and its product issued (`worked`): the stage held; else any held
+  // stage drained and this one released.
+  template <bool HOLD>
+  __device__ __forceinline__ void end_block(bool worked, uint64_t* empty, int tid) {
+    if (HOLD && worked) {
+      hold_and_advance();
+      return;
+    }
+    if constexpr (HOLD) drain(empty, tid);
+    release_and_advance(empty, tid);
+  }
 };
 
 // Q and dO of the kTileRows GQA-packed rows row0.. of a (sequence, kv head) (row = query row / G,
@@ -691,15 +708,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         } else if (ORDERED_DQ) {
           for (int i = tid; i < kBoxBytes / 16; i += kWarpgroupThreads) reinterpret_cast<uint4*>(my_ds)[i] = make_uint4(0, 0, 0, 0);
         }
-        if (HOLD_DK && !skip) {
-          ring.hold_and_advance();
-        } else {
-          if constexpr (HOLD_DK) {
-            wgmma_wait<0>();
-            ring.release_held(sm.empty, tid);
-          }
-          ring.release_and_advance(sm.empty, tid);
-        }
+        ring.template end_block<HOLD_DK>(!skip, sm.empty, tid);
         if constexpr (ORDERED_DQ) {
           fence_proxy_async();  // the dS tile's stores, to the wgmma's reads
           named_bar_sync(kDsReadyBar, Cfg::CONSUMERS * kWarpgroupThreads);  // both dS tiles are stored
@@ -719,9 +728,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       }
 
       if constexpr (HOLD_DK) {
-        wgmma_wait<0>();
+        ring.drain(sm.empty, tid);
         fence_accumulators(dk_flat);
-        ring.release_held(sm.empty, tid);
       }
       // Epilogue: keys below kv_len; dK = scale * acc and dV rounded once.
 #pragma unroll
@@ -943,20 +951,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             rs_block_product<T, D>(dq_flat, dsa, k_desc);
           }
         }
-        if (HOLD_DQ && b < my_end) {
-          ring.hold_and_advance();
-        } else {
-          if constexpr (HOLD_DQ) {
-            wgmma_wait<0>();
-            ring.release_held(sm.empty, tid);
-          }
-          ring.release_and_advance(sm.empty, tid);
-        }
+        ring.template end_block<HOLD_DQ>(b < my_end, sm.empty, tid);
       }
       if constexpr (HOLD_DQ) {
-        wgmma_wait<0>();
+        ring.drain(sm.empty, tid);
         fence_accumulators(dq_flat);
-        ring.release_held(sm.empty, tid);
       }
       if (!active) continue;
 
