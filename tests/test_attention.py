@@ -627,7 +627,8 @@ def test_default_path_gives_the_sm80_bits_for_any_group(monkeypatch, hq, hkv):
     """Query heads per kv head that do not divide a 64-row tile (7, 3) and one (MHA): the sm90
     kernels gather and write the GQA-packed rows (row = query * G + head) stepping from row to row
     without a division. out, lse, dq, dk and dv equal forced sm80's bit for bit (packed, causal,
-    bf16 d128; past 1024 keys, so the dQ kernel's own Q and dO loads run too)."""
+    bf16 d128; a sequence past ORDERED_DQ_MAX_KV_LEN keys, so the dQ kernel's own Q and dO loads
+    run too)."""
     seqs = _sequences([1, 37, 65, 300, 1100], hq, hkv, 128, torch.bfloat16, "cuda")
     _assert_packed_default_is_sm80(monkeypatch, seqs, True)
 
