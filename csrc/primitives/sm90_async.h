@@ -42,6 +42,17 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
+// mbar_arrive by the threads with `arrive` set, as a predicated instruction rather than a branch:
+// inside a wgmma loop a branch on a per-thread condition (one arrive per warp) makes ptxas keep
+// the loop's stage index, and every wgmma descriptor built from it, in vector registers, which
+// then cost two R2UR per wgmma.
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool arrive) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}" ::"r"(
+          smem_addr(bar)),
+      "r"(static_cast<uint32_t>(arrive))
+      : "memory");
+}
 
 // Arrives on the barrier at the same shared-memory offset in CTA `rank` of the cluster. (Plain
 // arrive semantics: a cluster-scope release here would wait for the wgmmas still in flight.)

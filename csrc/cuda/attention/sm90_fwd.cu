@@ -627,9 +627,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       phase ^= 1;
     }
   };
-  auto release = [&](int s) {
-    if (arrives_on_stage_release<EXACT>(tid)) mbar_arrive(&kv_empty[s]);
-  };
+  auto release = [&](int s) { mbar_arrive_if(&kv_empty[s], arrives_on_stage_release<EXACT>(tid)); };
 
   uint32_t q_phase = 0;
   FwdTile job;
