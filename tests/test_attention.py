@@ -683,13 +683,17 @@ ORDERED_DQ_MAX_KV_LEN = 512  # kOrderedDqMaxKvLen (csrc/cuda/attention_kernels.h
 @pytest.mark.parametrize("longest", [ORDERED_DQ_MAX_KV_LEN, ORDERED_DQ_MAX_KV_LEN + 1])
 def test_sm90_default_dq_mode_either_side_of_its_length_threshold(monkeypatch, longest):
     """The default backward takes the ordered dQ up to the threshold's longest sequence and the
-    recompute past it: either way the recompute's bits (packed, causal, bf16 d128)."""
+    recompute past it (the fast dQ kernel runs past it only; its EXACT instantiation is launched
+    after every causal backward and returns at once): either way the recompute's bits (packed,
+    causal, bf16 d128)."""
     if not _on_hopper():
         pytest.skip("the ordered dQ is the sm90 path's (compute capability 9.0)")
     monkeypatch.delenv(PATH_ENV, raising=False)
     seqs = _sequences([longest, 300, 65], 8, 2, 128, torch.bfloat16, "cuda")
     (q, k, v, dout), cu = _packed(seqs, "cuda")
     monkeypatch.delenv(DQ_ENV, raising=False)
+    dq_kernels = {n for n in _cuda_kernels(lambda: _run_varlen(q, k, v, dout, cu, True)) if "attention_bwd_dq_sm90" in n}
+    assert len(dq_kernels) == (2 if longest > ORDERED_DQ_MAX_KV_LEN else 1), dq_kernels
     default = _run_varlen(q, k, v, dout, cu, True)[2]
     monkeypatch.setenv(DQ_ENV, "recompute")
     recompute = _run_varlen(q, k, v, dout, cu, True)[2]

@@ -47,6 +47,7 @@ struct alignas(16) FwdTile {
   int kv_head, split, kv_len, rows, first_pos, row0, b_begin, b_end;
 };
 constexpr int kFwdTileWords = static_cast<int>(sizeof(FwdTile) / 8);  // a scheduler slot's
+static_assert(sizeof(FwdTile) % 8 == 0, "a slot is whole 8-byte words");
 
 // CONSUMERS warpgroups of 64 rows (BLOCK_M rows per CTA) and a producer warpgroup; STAGES K/V
 // blocks in the TMA ring; PINGPONG: the two consumers take turns issuing their wgmmas, so that one
@@ -459,7 +460,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     mbar_init(v_tail, 1);
     for (int c = 0; c < Cfg::CONSUMERS; ++c) {
       mbar_init(&q_full[c], 1);
-      mbar_init(&q_empty[c], 1);
+      mbar_init(&q_empty[c], kWarpgroupThreads);
     }
     for (int s = 0; s < Cfg::SCHED_SLOTS; ++s) {
       mbar_init(&sched_full[s], 1);
@@ -503,19 +504,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     if constexpr (DYNAMIC) {
       const int slot = n % Cfg::SCHED_SLOTS;
       mbar_wait(&sched_full[slot], (n / Cfg::SCHED_SLOTS) & 1);
-      job = sched_tile[slot];
-      __syncwarp();  // every lane has read the slot before lane 0 frees it
-      if (threadIdx.x % 32 == 0) mbar_arrive(&sched_empty[slot]);
-      if (uniform(job.b_end) < 0) return TileStep::kDone;
-      job.kv_head = uniform(job.kv_head);
-      job.split = uniform(job.split);
-      job.kv_len = uniform(job.kv_len);
-      job.rows = uniform(job.rows);
-      job.first_pos = uniform(job.first_pos);
-      job.row0 = uniform(job.row0);
-      job.b_begin = uniform(job.b_begin);
-      job.b_end = uniform(job.b_end);
-      return TileStep::kWork;
+      // Lane 0 reads the slot and frees it after its own read (the order racecheck follows); the
+      // warp takes the tile from lane 0 by shuffles.
+      uint64_t words[kFwdTileWords] = {};
+      if (threadIdx.x % 32 == 0) {
+        const uint64_t* slot_words = reinterpret_cast<const uint64_t*>(&sched_tile[slot]);
+#pragma unroll
+        for (int i = 0; i < kFwdTileWords; ++i) words[i] = slot_words[i];
+        mbar_arrive(&sched_empty[slot]);
+      }
+#pragma unroll
+      for (int i = 0; i < kFwdTileWords; ++i) words[i] = __shfl_sync(0xffffffffu, words[i], 0);
+      memcpy(&job, words, sizeof(job));
+      return job.b_end < 0 ? TileStep::kDone : TileStep::kWork;
     } else {
       const TileRef tile = order.at(blockIdx.x + static_cast<int64_t>(n) * gridDim.x);
       if (tile.seq < 0) return TileStep::kDone;
@@ -648,10 +649,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       my_end = my_end < b_begin ? b_begin : my_end > b_end ? b_end : my_end;
 
       // Q (the loader's), released once the tile's last S is done; Q_IN_REGISTERS: read once as the
-      // A fragments of S (wgmma RS), the loader's buffer then released at once.
+      // A fragments of S (wgmma RS), the loader's buffer then released at once. Every thread
+      // arrives after its own reads: each read is then ordered before the loader's next writes by
+      // the reading thread's own release (the order compute-sanitizer's racecheck follows).
       auto release_q = [&]() {
         if (!active) return;
-        if (tid == 0) mbar_arrive(&q_empty[consumer]);
+        mbar_arrive(&q_empty[consumer]);
         q_phase ^= 1;
       };
       auto release_q_after_scores = [&]() {
@@ -667,7 +670,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
             // k16 chunk ks: box ks / 4, 16-byte chunks 2 (ks % 4) (lanes 0..15) and + 1 (lanes 16..31).
             ldmatrix_x4<false>(qa[ks], my_q_addr + swizzled_chunk_offset(r, ks / 4, (ks % 4) * 2 + (quad >> 1)));
           }
-          named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);  // every read done
           release_q();
         }
       }
