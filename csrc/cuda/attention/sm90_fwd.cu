@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
     }
     mbar_init(v_tail, 1);
     for (int c = 0; c < Cfg::CONSUMERS; ++c) {
-      mbar_init(&q_full[c], 1);
+      mbar_init(&q_full[c], 32);
       mbar_init(&q_empty[c], kWarpgroupThreads);
     }
     for (int s = 0; s < Cfg::SCHED_SLOTS; ++s) {
@@ -580,8 +580,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         const int c_row0 = job.row0 + c * kConsumerRows;
         mbar_wait(&q_empty[c], q_phase ^ 1);
         load_q_rows<T, D>(c_q_addr, q, p, job.sq.q_base, job.kv_head, c_row0, job.rows, group, lane);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&q_full[c]);
+        // Each lane arrives after its own copies landed (the order racecheck follows, as q_empty).
+        mbar_arrive(&q_full[c]);
         q_phase ^= 1;
       }
     }
