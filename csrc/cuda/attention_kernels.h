@@ -85,7 +85,8 @@ struct AttentionBwdWorkspace {
 // and the ordered form loses where a sequence has many tiles. On the H100 (fwd+bwd, 32/8 heads,
 // d128, causal; the recompute's time / the ordered form's): 1.26 at 16 x 512, 1.09 at 8 x 1024,
 // 0.98 at 4 x 2048, 0.90 at 2 x 4096, 0.93 at 1 x 16384 (docs/perf/gpu_issue36.txt, runs 22-23).
-// Since the recompute overlaps its products (runs 39-41), on the H200: 0.93 at 8 x 1024.
+// Since the recompute overlaps its products (runs 39-41), on the H200 (run 43): 1.08 at 16 x 512,
+// 0.99 at 10 x 768, 0.94 at 8 x 1024.
 constexpr int64_t kOrderedDqMaxKvLen = 512;
 
 // Backward (q_len == kv_len for every sequence): writes delta, then dq, dk, dv for every token of
