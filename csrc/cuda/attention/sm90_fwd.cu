@@ -722,9 +722,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       // or causal, past the first row's position (b 64 + 63 > warp_first_pos).
       const int tail_from = kv_len / kKvBlock, causal_from = (warp_first_pos + 1) / kKvBlock;
       const int mask_from = p.causal && causal_from < tail_from ? causal_from : tail_from;
-      auto softmax = [&](int b) {
+      // masked: b >= mask_from, a constant in each of the steady loops below.
+      auto softmax = [&](int b, bool masked) {
         return softmax_block<SCALE_NONNEG>(score, row_max, row_sum, row_alpha, row_last_key, b * kKvBlock + 2 * t,
-                                           b >= mask_from, scale_log2);
+                                           masked, scale_log2);
       };
       auto rescale_acc = [&]() {
 #pragma unroll
@@ -779,7 +780,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
             if (MERGE && b > 0 && b % kSplitBlocks == 0) {
               fold_split<D>(b, acc, row_max, row_sum, row_last_key, p, w, sq, kv_head, rows, group, warp_row0, lane);
             }
-            if (softmax(b)) rescale_acc();
+            if (softmax(b, b >= mask_from)) rescale_acc();
             to_p();
             const int key0 = b * kKvBlock;
             if (key0 + kKvBlock > kv_len || (p.causal && key0 + kKvBlock - 1 > my_first_pos)) {
@@ -801,12 +802,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         step_scores_and_pv(false);
         wgmma_wait<0>();
         fence_accumulators(score_flat);
-        if (softmax(b_begin)) rescale_acc();
+        if (softmax(b_begin, b_begin >= mask_from)) rescale_acc();
         to_p();
         prev_stage = stage;
         prev_phase = phase;
         advance();
-        for (int b = b_begin + 1; b < my_end; ++b) {
+        auto steady_block = [&](int b, bool masked) {
           step_scores_and_pv(true);
           if (MERGE && b % kSplitBlocks == 0) {
             wgmma_wait<0>();
@@ -814,11 +815,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
             fence_accumulators(acc_flat);
             release(prev_stage);
             fold_split<D>(b, acc, row_max, row_sum, row_last_key, p, w, sq, kv_head, rows, group, warp_row0, lane);
-            if (softmax(b)) rescale_acc();
+            if (softmax(b, masked)) rescale_acc();
           } else {
             wgmma_wait<1>();  // S done; P V of b - 1 may still run (pa is rewritten only after it)
             fence_accumulators(score_flat);
-            const bool rescale = softmax(b);
+            const bool rescale = softmax(b, masked);
             wgmma_wait<0>();
             fence_accumulators(acc_flat);
             release(prev_stage);
@@ -828,7 +829,15 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           prev_stage = stage;
           prev_phase = phase;
           advance();
-        }
+        };
+        // The blocks without a masked key, then those with: two loops, so that the first (most
+        // blocks of a long row) carries no per-score mask selects (128 instructions per block).
+        // (uniform: the loops' bounds are then warp-uniform to the compiler, which keeps the stage
+        // index and the wgmma descriptors in uniform registers.)
+        const int unmasked_end = uniform(mask_from <= b_begin ? b_begin + 1 : mask_from > my_end ? my_end : mask_from);
+        int b = b_begin + 1;
+        for (; b < unmasked_end; ++b) steady_block(b, false);
+        for (; b < my_end; ++b) steady_block(b, true);
         release_q_after_scores();  // every S of the tile is done
         mbar_wait(&v_full[prev_stage], prev_phase);
         turn_sync();
