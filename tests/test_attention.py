@@ -617,10 +617,11 @@ def test_default_path_is_sm90_on_hopper_else_sm80(monkeypatch):
 @tensor_core_dtypes
 def test_default_path_gives_the_sm80_bits_packed(monkeypatch, dtype, head_dim, causal):
     """Packed PATH_LENGTHS: out, lse, dq, dk and dv of the default path (sm90 on an H100, sm80
-    elsewhere) equal those of forced sm80 bit for bit. The lengths put rows on both sides of the
-    sm90 forward's two block loops (blocks without a masked key, then those with): rows whose every
-    block is masked (1, 63; causal), none (64, full), and many unmasked blocks before masked ones
-    (2047, 4100); a block taken by the wrong loop would lose its mask and change the bits."""
+    elsewhere) equal those of forced sm80 bit for bit. The lengths put blocks on both sides of the
+    sm90 forward's two block loops (blocks without a masked key, then those with): one block only
+    (1, 63, 64), and unmasked blocks before masked ones (causal: every length past 64; full: those
+    ending inside a block, 65 .. 4100). A masked block taken by the first loop would lose its mask
+    and change the bits."""
     _assert_packed_default_is_sm80(monkeypatch, _sequences(PATH_LENGTHS, 8, 2, head_dim, dtype, "cuda"), causal)
 
 
