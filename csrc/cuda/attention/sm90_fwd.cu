@@ -18,7 +18,8 @@
 //
 // Masked keys: past kv_len, V rows of the sequence's last block are zeroed in shared memory before
 // the consumers see them (TMA has loaded whatever follows the sequence); K past kv_len and keys
-// past a row's causal position are selected out of S; a non-finite V of a key past a row's
+// past a row's causal position are selected out of S (in the blocks that have such keys: a warp's
+// blocks without one run first, as a copy of the block loop without selects); a non-finite V of a key past a row's
 // causal position (inside the sequence) still meets p = +0 in the P V product: the epilogue flags
 // a non-finite result (status word) and the launch recomputes with the EXACT instantiation.
 #include <atomic>
