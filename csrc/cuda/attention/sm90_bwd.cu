@@ -870,7 +870,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       const int my_end = !active ? 0 : p.causal ? my_last_pos / kTileRows + 1 : num_blocks;
       const int my_first_pos = first_pos + my_row0 / group;
 
-      for (int b = 0; b < num_blocks; ++b) {
+      // A warp's blocks with masked scores (causal: past its first row's position; past kv_len)
+      // are those from mask_from on.
+      const int tail_from = kv_len / kTileRows, causal_from = (warp_first_pos + 1) / kTileRows;
+      const int mask_from = p.causal && causal_from < tail_from ? causal_from : tail_from;
+      auto block = [&](int b, bool masked) {
         const int stage = ring.stage;
         mbar_wait(&sm.full[stage], ring.phase);
         if (b < my_end) {
@@ -896,8 +900,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) sp[0][nt][e] = ex2(__fmaf_rn(sp[0][nt][e], scale_log2, -lse_l2[e / 2]));
           }
-          const bool diag = p.causal && key0 + kTileRows - 1 > warp_first_pos;
-          const bool masked = diag || key0 + kTileRows > kv_len;
           auto mask_block = [&](float (&x)[1][8][4]) {
             int limit[2];
 #pragma unroll
@@ -952,6 +954,17 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           }
         }
         ring.template end_block<HOLD_DQ>(b < my_end, sm.empty, tid);
+      };
+      // The blocks without a masked score, then those with: two loops, so that the first carries
+      // no per-score mask selects (as the forward's); the bound warp-uniform to the compiler. The
+      // EXACT kernel keeps one loop (no registers to spare for two copies).
+      if constexpr (EXACT) {
+        for (int b = 0; b < num_blocks; ++b) block(b, b >= mask_from);
+      } else {
+        const int unmasked_end = uniform(mask_from < num_blocks ? mask_from : num_blocks);
+        int b = 0;
+        for (; b < unmasked_end; ++b) block(b, false);
+        for (; b < num_blocks; ++b) block(b, true);
       }
       if constexpr (HOLD_DQ) {
         ring.drain(sm.empty, tid);
