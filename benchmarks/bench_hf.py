@@ -8,7 +8,10 @@ patched) in one run; the ratio is unpatched time / patched time (> 1: patched fa
 * train: forward + backward + per-token log-probs. Patched: rl_engine_ext.token_logprobs (through
   linear_logprob, no logits); unpatched: logits -> log_softmax(fp32) -> gather, as a trainer
   without the library computes them. Target: patched <= 1.10x unpatched at 8 x 1024 tokens
-  (ratio >= 1/1.10); 1 x 16384 reported.
+  (ratio >= 1/1.10); 1 x 16384 reported. "declared": the patched step with the loss's cotangents
+  declared at forward time (token_logprobs(grad_logprob=), linear_logprob's fused-gradient mode, as
+  a trainer that knows its per-token weights before the forward runs it); issue 36's target for it
+  and the plain patched step: <= 0.92x unpatched at 1 x 16384.
 * generate: greedy, a left-padded batch, new tokens/s; eager with a DynamicCache, and with a
   static cache (transformers compiles the decode step). Target: patched within 15% of unpatched.
 """
@@ -33,6 +36,7 @@ example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
 TRAIN_TARGET = 1 / 1.10  # unpatched / patched time
+LONG_TRAIN_TARGET = 1 / 0.92  # issue 36, 1 x 16384
 GENERATE_TARGET = 0.85  # patched tokens/s over unpatched
 
 
@@ -44,10 +48,12 @@ def _models(dims: str, device: str):
     return patched, plain
 
 
-def _train_steps(patched, plain, ids):
+def _train_steps(patched, plain, ids, declare: bool = False):
+    ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device) if declare else None
+
     def ours():
         patched.zero_grad(set_to_none=True)
-        rl.token_logprobs(patched, ids).sum().backward()
+        rl.token_logprobs(patched, ids, grad_logprob=ones).sum().backward()  # sum(): cotangent 1
 
     def reference():
         plain.zero_grad(set_to_none=True)
@@ -87,13 +93,15 @@ def main() -> int:
     vocab = patched.config.vocab_size
     for batch, seq in ((8, 1024), (1, 16384)) if not args.quick else ((2, 64),):
         ids = torch.randint(3, vocab, (batch, seq), device=args.device)
-        pair = bench_abba(*_train_steps(patched, plain, ids), device=args.device, rep_ms=1000)
         shape = f"{batch}x{seq}"
-        out.add_pair("train_step", shape, "bf16", "fwd+bwd+logprobs", pair, reference="hf_unpatched",
-                     ratio_metric="ratio_vs_hf_unpatched")
-        target = f"  target >= {TRAIN_TARGET:.3f} {verdict(pair.ratio >= TRAIN_TARGET)}" if shape == "8x1024" else ""
-        print(f"train {shape:>8}: patched {pair.ours.median_us / 1e3:8.2f} ms  unpatched "
-              f"{pair.reference.median_us / 1e3:8.2f} ms  ratio {pair.ratio:.3f} ({pair.pairs}){target}")
+        for declare, mode in ((False, "fwd+bwd+logprobs"), (True, "fwd+bwd+logprobs_declared")):
+            pair = bench_abba(*_train_steps(patched, plain, ids, declare), device=args.device, rep_ms=1000)
+            out.add_pair("train_step", shape, "bf16", mode, pair, reference="hf_unpatched",
+                         ratio_metric="ratio_vs_hf_unpatched")
+            bar = TRAIN_TARGET if shape == "8x1024" else LONG_TRAIN_TARGET
+            print(f"train {shape:>8}{' declared' if declare else '':>9}: patched {pair.ours.median_us / 1e3:8.2f} ms  "
+                  f"unpatched {pair.reference.median_us / 1e3:8.2f} ms  ratio {pair.ratio:.3f} ({pair.pairs})  "
+                  f"target >= {bar:.3f} {verdict(pair.ratio >= bar)}")
         del ids
         for model in (patched, plain):
             model.zero_grad(set_to_none=True)

@@ -1129,6 +1129,22 @@ def _call_forward(model: nn.Module, forward: Callable[..., Any], *args: Any) -> 
     return forward(*args)
 
 
+def _check_declared_cotangents(fn: str, input_ids: torch.Tensor, return_entropy: bool, grad_logprob: Any,
+                               grad_entropy: Any) -> None:
+    """token_logprobs' declared cotangents: fp32 tensors of input_ids' shape on its device."""
+    if grad_entropy is not None and not return_entropy:
+        raise ValueError(f"rl_engine_ext.{fn}: grad_entropy is given but return_entropy=False")
+    for name, g in (("grad_logprob", grad_logprob), ("grad_entropy", grad_entropy)):
+        if g is None:
+            continue
+        if not isinstance(g, torch.Tensor):
+            raise ValueError(f"rl_engine_ext.{fn}: {name} must be a tensor, got {type(g).__name__}")
+        if g.dtype != torch.float32 or g.shape != input_ids.shape or g.device != input_ids.device:
+            raise ValueError(f"rl_engine_ext.{fn}: {name} must be float32 of input_ids' shape "
+                             f"{list(input_ids.shape)} on {input_ids.device}, got {g.dtype} {list(g.shape)} on "
+                             f"{g.device}")
+
+
 def _packed_layout(fn: str, input_ids: torch.Tensor, cu_seqlens: Any, max_seqlen: Any) -> int:
     """Checks packed sequences' cu_seqlens (on the host: one read of N + 1 values) and returns
     max_seqlen (the longest sequence when not given)."""
@@ -1170,7 +1186,8 @@ def _packed_layout(fn: str, input_ids: torch.Tensor, cu_seqlens: Any, max_seqlen
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None, temperature: float = 1.0, max_seqlen: int | None = None,
-                   return_entropy: bool = False):
+                   return_entropy: bool = False, grad_logprob: torch.Tensor | None = None,
+                   grad_entropy: torch.Tensor | None = None):
     """The trainer's per-token log-probs: ``out[..., t] = log p(input_ids[..., t] | tokens before t
     of its sequence)`` under ``softmax(logits / temperature)``, fp32, 0 at each sequence's first
     token and at padding; differentiable. Through ``linear_logprob`` (no [T, V] logits; an LM head
@@ -1181,7 +1198,15 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     None: all real), e.g. a Generation's ``sequences`` and ``attention_mask``. Packed:
     ``input_ids`` [T] (or [1, T]) with ``cu_seqlens`` [N + 1] (int32/int64, from 0 to T,
     non-decreasing; read on the host) and ``max_seqlen`` (the longest sequence, read from
-    cu_seqlens when not given)."""
+    cu_seqlens when not given).
+
+    ``grad_logprob`` (and ``grad_entropy``, with return_entropy=True): fp32 of input_ids' shape,
+    the cotangents the loss will send back to ``out`` (and the entropies), declared at forward
+    time, e.g. a policy-gradient loss's per-token weights: linear_logprob's fused-gradient mode,
+    which takes the LM head's gradients in the forward (three vocabulary-sized GEMMs instead of
+    four). Used where the LM head is a plain nn.Linear (not tensor parallel); the results are
+    always those of the call without the declaration, bit for bit (a backward whose cotangents
+    differ from the declared ones runs the ordinary way)."""
     fn = "token_logprobs"
     temperature = _check_temperature(fn, temperature)
     base, lm_head, head_dtype, plain_head = _lm_head(model, fn)
@@ -1212,16 +1237,22 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         batch = padded_batch(None if attention_mask is None else real, ids.shape[0], ids.shape[1], ids.device)
         follows = torch.zeros_like(real)
         follows[:, 1:] = real[:, 1:] & real[:, :-1]
+    _check_declared_cotangents(fn, input_ids, return_entropy, grad_logprob, grad_entropy)
     # Token t is predicted from the hidden state at t - 1 of the same sequence; every position goes
     # through the LM head (the last ones with no target), so a micro-batch's LM-head tokens are its
     # token count, as for every other linear (fp32_grad_accumulation's tiles).
     targets = torch.full_like(ids, IGNORE_INDEX)
     targets[:, :-1] = torch.where(follows[:, 1:], ids[:, 1:], IGNORE_INDEX)
 
+    # A declared cotangent of out, as the shift below sends it back to the LM head's outputs: the
+    # hidden state at t receives out's gradient at t + 1, the last one zero.
+    unshift = lambda g: None if g is None else torch.cat([g.reshape(ids.shape)[:, 1:], g.new_zeros(ids.shape[0], 1)], 1)
+
     def forward(ids, positions, targets):
         hidden = base(input_ids=ids, position_ids=positions, attention_mask=batch, use_cache=False).last_hidden_state
         if plain_head:
-            return _mg.linear_logprob(hidden, lm_head.weight, targets, temperature, return_entropy, lm_head.bias)
+            return _mg.linear_logprob(hidden, lm_head.weight, targets, temperature, return_entropy, lm_head.bias,
+                                      grad_logprob=unshift(grad_logprob), grad_entropy=unshift(grad_entropy))
         if _TP in vars(lm_head):  # tensor parallel: logprob of the gathered logits, in token chunks
             return _tp.vocab_parallel_logprob(hidden, lm_head.weight, lm_head.bias, targets, temperature,
                                               return_entropy, tp=vars(lm_head)[_TP].tp)

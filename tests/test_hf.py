@@ -296,6 +296,58 @@ def test_unknown_modules_warn_once(device):
     handle.revert()
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_token_logprobs_declared_cotangents(device, layout, monkeypatch):
+    """token_logprobs(grad_logprob=, grad_entropy=): the cotangents the loss sends back, declared at
+    forward time, give the undeclared call's log-probs, entropies and every parameter gradient bit
+    for bit; a matching declaration skips the LM head's backward op (its gradients were taken in the
+    forward), a different one runs it."""
+    from rl_engine_ext.ops import linear_logprob as lp_op
+
+    model = _model("qwen3", device)
+    model.train()
+    rl.patch(model)
+    seqs = _seqs(device)
+    if layout == "padded":
+        ids, mask = _pad(seqs, 20, right=False, device=device)
+        kwargs = dict(attention_mask=mask)
+    else:
+        ids = torch.cat(seqs)
+        lengths = torch.tensor([0] + [len(s) for s in seqs], device=device)
+        kwargs = dict(cu_seqlens=lengths.cumsum(0))
+    g = torch.Generator().manual_seed(9)
+    weights = torch.randn(ids.shape, generator=g).to(device)
+    entropy_weights = torch.randn(ids.shape, generator=g).to(device)
+    backward_calls = []
+    ordinary_backward = lp_op._backward
+    monkeypatch.setattr(lp_op, "_backward", lambda *a, **k: backward_calls.append(1) or ordinary_backward(*a, **k))
+
+    def step(send, **declared):
+        model.zero_grad(set_to_none=True)
+        out, entropy = rl.token_logprobs(model, ids, return_entropy=True, **kwargs, **declared)
+        ((out * send[0]).sum() + (entropy * send[1]).sum()).backward()
+        return out.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    sent = (weights, entropy_weights)
+    reference = step(sent)
+    for declared, calls in (((weights, entropy_weights), 0), ((2 * weights, entropy_weights), 1),
+                            ((weights, -entropy_weights), 1)):
+        backward_calls.clear()
+        got = step(sent, grad_logprob=declared[0], grad_entropy=declared[1])
+        assert len(backward_calls) == calls
+        assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+        for name, grad in reference[2].items():
+            assert torch.equal(got[2][name], grad), name
+
+    bad = [(dict(grad_logprob=weights.double()), "float32"),
+           (dict(grad_logprob=weights[..., :-1]), "shape"),
+           (dict(grad_logprob=weights.tolist()), "must be a tensor"),
+           (dict(grad_entropy=entropy_weights, return_entropy=False), "return_entropy=False")]
+    for declared, match in bad:
+        with pytest.raises(ValueError, match=match):
+            rl.token_logprobs(model, ids, **{**kwargs, **declared})
+
+
 def test_fp32_grad_accumulation_chains_through_the_model(device):
     """fp32_grad_accumulation on a patched model: micro-batches of whole sequences whose token
     counts are multiples of grad_accumulation_tile_tokens(model) give the one batch's fp32
