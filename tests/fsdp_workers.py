@@ -44,11 +44,12 @@ class TorchReduceScatter:
 
 
 def fsdp_train(rank: int, world: int, dims: dict, wrap: str, comm: str, device: str, batch: int = 2, seq: int = 24,
-               timed_steps: int = 0) -> dict:
+               timed_steps: int = 0, declare: bool = False) -> dict:
     """One rank: the patched model sharded per decoder layer + root (wrap "layers") or as one unit
     (wrap "root": one reduce-scatter message of every gradient), gradients reduce-scattered by the
     invariant collective (comm "invariant") or NCCL's / gloo's own ("torch"); log-probs, a backward,
-    an AdamW step, the log-probs again. With ``timed_steps``, that many more steps are timed."""
+    an AdamW step, the log-probs again. With ``timed_steps``, that many more steps are timed. With
+    ``declare``, the first step declares its loss's cotangents (token_logprobs(grad_logprob=))."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -68,13 +69,15 @@ def fsdp_train(rank: int, world: int, dims: dict, wrap: str, comm: str, device: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids, mask = rank_batch(rank, dims, batch, seq, str(dev))
 
-    def step() -> torch.Tensor:
-        lp = rl.token_logprobs(model, ids, mask)
+    def step(grad_logprob=None) -> torch.Tensor:
+        lp = rl.token_logprobs(model, ids, mask, grad_logprob=grad_logprob)
         (-lp.sum() / (batch * seq)).backward()
         return lp
 
+    # The loss's cotangent as autograd computes it: -(1 / (batch * seq)), rounded in fp32.
+    declared = -(torch.ones(ids.shape, device=ids.device) / (batch * seq)) if declare else None
     with rl.record_kernels() as ran:
-        lp = step()
+        lp = step(declared)
     grads = {name: digest(p.grad.to_local()) for name, p in model.named_parameters()}
     optimizer.step()
     optimizer.zero_grad()
@@ -86,7 +89,8 @@ def fsdp_train(rank: int, world: int, dims: dict, wrap: str, comm: str, device: 
 
     result = {"logprobs": lp.detach().cpu(), "logprobs_after_step": lp_after.cpu(), "grads": grads,
               "forward_method_left": hf._FSDP_FORWARD_METHOD in vars(model),
-              "params": params, "rank_sum_calls": sum(n for (k, _), n in ran.counts.items() if k == "rank_sum")}
+              "params": params, "rank_sum_calls": sum(n for (k, _), n in ran.counts.items() if k == "rank_sum"),
+              "linear_gemm_calls": sum(n for (k, _), n in ran.counts.items() if k == "linear_gemm")}
     if timed_steps:
         times = []
         for _ in range(timed_steps):

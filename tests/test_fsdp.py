@@ -21,6 +21,8 @@ def test_fsdp2_training_is_invariant(world):
     again = run_ranks(world, fsdp_train, TINY, "layers", "invariant", "cpu")
     one_message = run_ranks(world, fsdp_train, TINY, "root", "invariant", "cpu")
     alone = single_process_logprobs(TINY, world, "cpu")
+    # Declared cotangents (the LM head's gradients taken in the forward): the same bits.
+    declared = run_ranks(world, fsdp_train, TINY, "layers", "invariant", "cpu", 2, 24, 0, True)
     for rank in range(world):
         run = layers[rank]
         # the all-gather only copies: each rank's log-probs are the unsharded model's
@@ -28,12 +30,14 @@ def test_fsdp2_training_is_invariant(world):
         # the gradients went through rank_sum: one reduce-scatter per FSDP unit (2 layers + root)
         assert run["rank_sum_calls"] == TINY["num_hidden_layers"] + 1
         assert one_message[rank]["rank_sum_calls"] == 1
-        for other in (again[rank], one_message[rank]):
+        for other in (again[rank], one_message[rank], declared[rank]):
             assert other["grads"] == run["grads"], rank
             assert other["params"] == run["params"], rank
             assert torch.equal(other["logprobs_after_step"], run["logprobs_after_step"]), rank
         assert not torch.equal(run["logprobs_after_step"], run["logprobs"])  # the step changed the model
         assert not run["forward_method_left"]  # token_logprobs leaves nothing on the model
+        # the declaration was used: the LM head's logits were not computed again in the backward
+        assert declared[rank]["linear_gemm_calls"] < run["linear_gemm_calls"], rank
 
 
 def _shard_then_accumulate(rank: int, world: int) -> str:
