@@ -820,11 +820,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
           } else {
             wgmma_wait<1>();  // S done; P V of b - 1 may still run (pa is rewritten only after it)
             fence_accumulators(score_flat);
-            const bool rescale = softmax(b, masked);
-            wgmma_wait<0>();
-            fence_accumulators(acc_flat);
+            // The wait for P V of b - 1 in each arm of a branch on the recurrence's result: in
+            // straight-line code ptxas hoists it above the recurrence, which then no longer
+            // overlaps that P V. The branch is warp-uniform (the wait is .aligned; a thread whose
+            // alphas are all 1 then multiplies by 1: the same bits).
+            if (__any_sync(0xffffffffu, softmax(b, masked))) {
+              wgmma_wait<0>();
+              fence_accumulators(acc_flat);
+              rescale_acc();
+            } else {
+              wgmma_wait<0>();
+              fence_accumulators(acc_flat);
+            }
             release(prev_stage);
-            if (rescale) rescale_acc();
           }
           to_p();
           prev_stage = stage;
