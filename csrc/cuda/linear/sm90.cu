@@ -73,10 +73,14 @@ __host__ __device__ constexpr bool config_takes_layout() {
 
 // Decode (m <= 64): narrow column tiles so that enough CTAs stream the weight, and a deep ring so
 // that enough of it is in flight; the K-major weight allows 32 or 48 columns, an MN-major one 64
-// (a whole row of the 128-byte swizzle) or 32 (b_swizzle_64b).
+// (a whole row of the 128-byte swizzle) or 32 (b_swizzle_64b). The 64-column tile takes the
+// ring's 14 stages that fit in shared memory (8 KB of the weight each, 112 KB in flight per CTA):
+// with 8 stages a decode-size grad input took 3-21% longer (H200, issue-36 run 55).
 using DecodeConfig = Sm90Config<64, 32, 16>;
 using Decode48Config = Sm90Config<64, 48, 16>;
-using DecodeMnConfig = Sm90Config<64, 64, 8>;
+using DecodeMnConfig = Sm90Config<64, 64, 14>;
+// Tree mode at decode size: slot 2's tile (16 KB) leaves room for 8 stages.
+using TreeDecodeMnConfig = Sm90Config<64, 64, 8>;
 using MediumConfig = Sm90Config<128, 128, 6>;
 using MediumPairConfig = Sm90Config<128, 128, 6, 2>;
 using WidePairConfig = Sm90Config<128, 192, 5, 2>;
@@ -668,13 +672,10 @@ Sm90GemmConfig choose_config(const GemmProblem& p) {
   const int64_t sms = multiprocessor_count(current_device());
   if (p.m <= 64) {
     const int64_t narrow = waves(p.m, p.n, 64, 32, 1, sms) * 32;
-    if (B_MN) {
-      // Every column tile reads all of A from L2: past a few MB of it (lm_head's grad input, K = V)
-      // the 64-column tiles, half as many readers, win (H100: 0.82x vs 0.71x cuBLAS at M = 64).
-      const int64_t a_bytes = (p.m <= kDecodeSmallRows ? kDecodeSmallRows : 64) * p.k * 2;
-      if (a_bytes > (int64_t{4} << 20) || waves(p.m, p.n, 64, 64, 1, sms) * 64 < narrow) return Sm90GemmConfig::kDecode64;
-      return Sm90GemmConfig::kDecode32;
-    }
+    // An MN-major weight (grad input): the 64-column tiles with their deep ring beat the 32-column
+    // ones on every Qwen3-8B shape at M = 1 and 64 (H200, run 55: 0.78-1.00x cuBLAS against
+    // 0.67-0.95x), with half as many tiles reading A from L2.
+    if (B_MN) return Sm90GemmConfig::kDecode64;
     return waves(p.m, p.n, 64, 48, 1, sms) * 48 <= narrow ? Sm90GemmConfig::kDecode48 : Sm90GemmConfig::kDecode32;
   }
   if (p.m <= 128) {  // one row tile: nothing to share B with
@@ -713,7 +714,7 @@ gpuError_t dispatch_config(DType dtype, const GemmProblem& p, Sm90GemmConfig for
     }
   };
   if constexpr (TREE) {  // its own tiles (three register sets), forced or not
-    if (p.m <= 64) return launch(ConfigTag<typename std::conditional<B_MN, DecodeMnConfig, DecodeConfig>::type>{});
+    if (p.m <= 64) return launch(ConfigTag<typename std::conditional<B_MN, TreeDecodeMnConfig, DecodeConfig>::type>{});
     return launch(ConfigTag<TreeConfig>{});
   } else {
     switch (forced == Sm90GemmConfig::kAuto ? choose_config<B_MN>(p) : forced) {
