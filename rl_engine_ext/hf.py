@@ -1246,7 +1246,8 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
 
     # A declared cotangent of out, as the shift below sends it back to the LM head's outputs: the
     # hidden state at t receives out's gradient at t + 1, the last one zero.
-    unshift = lambda g: None if g is None else torch.cat([g.reshape(ids.shape)[:, 1:], g.new_zeros(ids.shape[0], 1)], 1)
+    def unshift(g):
+        return None if g is None else torch.cat([g.reshape(ids.shape)[:, 1:], g.new_zeros(ids.shape[0], 1)], 1)
 
     def forward(ids, positions, targets):
         hidden = base(input_ids=ids, position_ids=positions, attention_mask=batch, use_cache=False).last_hidden_state

@@ -6,6 +6,8 @@ runs the same on NCCL GPU ranks at Qwen3-8B layer dimensions, with NCCL's reduce
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ def test_fsdp2_training_is_invariant(world):
     one_message = run_ranks(world, fsdp_train, TINY, "root", "invariant", "cpu")
     alone = single_process_logprobs(TINY, world, "cpu")
     # Declared cotangents (the LM head's gradients taken in the forward): the same bits.
-    declared = run_ranks(world, fsdp_train, TINY, "layers", "invariant", "cpu", 2, 24, 0, True)
+    declared = run_ranks(world, functools.partial(fsdp_train, declare=True), TINY, "layers", "invariant", "cpu")
     for rank in range(world):
         run = layers[rank]
         # the all-gather only copies: each rank's log-probs are the unsharded model's

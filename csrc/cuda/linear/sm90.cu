@@ -671,11 +671,11 @@ template <bool B_MN>
 Sm90GemmConfig choose_config(const GemmProblem& p) {
   const int64_t sms = multiprocessor_count(current_device());
   if (p.m <= 64) {
-    const int64_t narrow = waves(p.m, p.n, 64, 32, 1, sms) * 32;
     // An MN-major weight (grad input): the 64-column tiles with their deep ring beat the 32-column
     // ones on every Qwen3-8B shape at M = 1 and 64 (H200, run 55: 0.78-1.00x cuBLAS against
     // 0.67-0.95x), with half as many tiles reading A from L2.
     if (B_MN) return Sm90GemmConfig::kDecode64;
+    const int64_t narrow = waves(p.m, p.n, 64, 32, 1, sms) * 32;
     return waves(p.m, p.n, 64, 48, 1, sms) * 48 <= narrow ? Sm90GemmConfig::kDecode48 : Sm90GemmConfig::kDecode32;
   }
   if (p.m <= 128) {  // one row tile: nothing to share B with
