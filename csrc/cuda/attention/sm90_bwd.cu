@@ -558,11 +558,23 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);
       }
 
-      for (int it = 0; it < group * q_blocks; ++it) {
-        const int head = kv_head * group + it / q_blocks;
-        const int qstart = (first_qb + it % q_blocks) * kTileRows;
+      // The blocks (head kv_head * group + hg, query block first_qb + qb), qb fastest.
+      for (int hg = 0, qb = 0; q_blocks > 0 && hg < group; qb == q_blocks - 1 ? (qb = 0, ++hg) : ++qb) {
+        const int head = kv_head * group + hg;
+        const int qstart = (first_qb + qb) * kTileRows;
         const int64_t lse_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head;
         uint8_t* my_ds = sm.scratch + (ds_buffer * Cfg::CONSUMERS + consumer) * kBoxBytes;
+        {
+          // The next block's lse and delta rows into L1 while this block runs (6 lanes: the first,
+          // middle and last row of each, so every line of the up to 3 they span): the exponentials
+          // need the lse right after S^T's wait, where loads from L2 stood (ptxas issues them in
+          // batches, short of registers). Scheduling only.
+          const bool last_qb = qb == q_blocks - 1;
+          const int next_q = last_qb ? first_qb * kTileRows : qstart + kTileRows;
+          const int next_rows = min(kTileRows, q_len - next_q);
+          const int64_t row = lse_row + (last_qb ? p.lse_stride_head : 0) + next_q + (tid % 3) * (next_rows - 1) / 2;
+          prefetch_l1_if((tid < 3 ? p.lse : gp.delta) + row, tid < 6 && !(last_qb && hg == group - 1));
+        }
         const int stage = ring.stage;
         mbar_wait(&sm.full[stage], ring.phase);
         // A warpgroup whose keys all come after the block's last query (causal), or lie past
@@ -913,8 +925,17 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             }
           };
           if (masked) mask_block(sp);
-          wgmma_wait<0>();
-          fence_accumulators(ds_flat);
+          // dP's wait in both arms of a warp-uniform branch on the exponentials (the arms are the
+          // same; the wait is .aligned, hence the vote): in straight-line code ptxas hoists it
+          // above them, so that they never overlap dP's product (the forward's wait for P V had
+          // the same fix).
+          if (__any_sync(0xffffffffu, sp[0][7][3] > 1.f)) {
+            wgmma_wait<0>();
+            fence_accumulators(ds_flat);
+          } else {
+            wgmma_wait<0>();
+            fence_accumulators(ds_flat);
+          }
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
