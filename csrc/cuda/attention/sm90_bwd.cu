@@ -346,6 +346,35 @@ __device__ __forceinline__ void load_q_do_swizzled(uint8_t* q_dst, uint8_t* do_d
 }
 #endif
 
+// The backward kernels' work items: (kv head, sequence, tile) for every pair of a kv head and a
+// sequence and every tile of it (key tiles for dK/dV, row tiles for dQ; tile 0 the heaviest). A CTA
+// takes items blockIdx.x, + gridDim.x, ... (the ordered dQ's: the one its ticket names). They run in
+// chunks of `chunk` pairs, tile-major inside a chunk, kv head fastest. The recompute's kernels take
+// kBwdPairsPerChunk, so that the CTAs running at once share a few pairs' Q / dO (dK/dV) or K / V
+// (dQ) streams in L2: tile-major over every pair had each stream read by about two of them at
+// 8 x 4096 (H200: fwd+bwd 0.81 -> 0.86 of cuDNN), and chunks of 4 or 8 pairs lose the
+// heaviest-first order at 8 x 1024. The ordered dQ takes one chunk of every pair: its tile t waits
+// for the same pair's tile t - 1 (which comes first in any chunking, as its tickets need), and 16
+// pairs put the two so close in launch order that they run in lockstep (8 x 1024: 0.95 -> 0.68 of
+// the recompute's speed). The order is scheduling only; each item's arithmetic is the same
+// whichever CTA takes it.
+constexpr int64_t kBwdPairsPerChunk = 16;
+struct BwdItem {
+  int kv_head;
+  int64_t seq;
+  int tile;
+};
+__host__ __device__ inline int64_t bwd_items(const AttentionProblem& p, int64_t tiles) {
+  return p.heads_kv * p.num_seqs * tiles;
+}
+__host__ __device__ inline BwdItem bwd_item(int64_t item, const AttentionProblem& p, int64_t tiles, int64_t chunk) {
+  const int64_t pairs = p.heads_kv * p.num_seqs;
+  const int64_t first = item / (chunk * tiles) * chunk;  // the chunk's first pair
+  const int64_t n = pairs - first < chunk ? pairs - first : chunk;
+  const int64_t r = item - first * tiles, pair = first + r % n;
+  return BwdItem{static_cast<int>(pair % p.heads_kv), pair / p.heads_kv, static_cast<int>(r / n)};
+}
+
 // ------------------------------------------------------------------------------------------------
 // dK / dV
 // ------------------------------------------------------------------------------------------------
@@ -361,9 +390,9 @@ __device__ __forceinline__ void load_q_do_swizzled(uint8_t* q_dst, uint8_t* do_d
 // is the dQ kernel's (the same k16 chunks in the same order on the same fp32 accumulators), so the
 // bits are too. Two producer warps keep the turns off the consumers' path: the loader waits for the
 // block's turn (w.turns reaching t) and TMA-loads the sums; the releaser advances the turn once the
-// consumers have stored theirs. A CTA takes its (tile, sequence, kv head) from a ticket drawn when
-// it starts, tile-major, so every tile it waits for belongs to a CTA that started before it: no
-// wait on a CTA that cannot be scheduled.
+// consumers have stored theirs. A CTA takes its item from a ticket drawn when it starts, in
+// bwd_item's order (a pair's tile t - 1 before its tile t), so every tile it waits for belongs to a
+// CTA that started before it: no wait on a CTA that cannot be scheduled.
 template <typename T, typename Cfg, bool EXACT, bool ORDERED_DQ>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap do_map,
@@ -391,24 +420,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   uint8_t* acc_tile = sm.scratch + Cfg::DS_BYTES;  // the ordered dQ's sums of the earlier key tiles
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  // The (kv head, sequences, key tiles) walked: one of each from the ticket (ORDERED_DQ), else
-  // grid-stride from the block index.
-  int kv_head, tile0, tile_step;
-  int64_t seq0, seq_step;
-  if constexpr (ORDERED_DQ) {
-    const int64_t heads_seqs = p.heads_kv * p.num_seqs;
-    tile0 = static_cast<int>(ticket / heads_seqs);
-    seq0 = ticket % heads_seqs / p.heads_kv;
-    kv_head = static_cast<int>(ticket % p.heads_kv);
-    seq_step = p.num_seqs;
-    tile_step = 1 << 30;
-  } else {
-    kv_head = static_cast<int>(blockIdx.x);
-    seq0 = blockIdx.y;
-    seq_step = gridDim.y;
-    tile0 = static_cast<int>(blockIdx.z);
-    tile_step = static_cast<int>(gridDim.z);
-  }
+  // This CTA's items (bwd_item): the one its ticket names (ORDERED_DQ), else grid-stride.
+  const int64_t tiles = ceil_div(p.max_kv_len, KEYS), items = bwd_items(p, tiles);
+  const int64_t chunk = ORDERED_DQ ? p.heads_kv * p.num_seqs : kBwdPairsPerChunk;
+  const int64_t item0 = ORDERED_DQ ? ticket : blockIdx.x, item_step = ORDERED_DQ ? items : gridDim.x;
   // Key tile `tile` of a sequence, the same for both roles: keys key0 .. key0 + KEYS - 1, seen by
   // the query blocks first_qb .. first_qb + q_blocks - 1 of each head (causal: none before).
   struct KeyTile {
@@ -435,42 +450,42 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       // alone: a lane left behind by one that spins on the turn could miss a phase of acc_empty.
       if (lane != 0) return;
       uint32_t phase = 0;
-      for (int64_t s = seq0; s < p.num_seqs; s += seq_step) {
-        const AttentionSeq sq = attention_seq(p, s);
+      for (int64_t item = item0; item < items; item += item_step) {
+        const BwdItem wi = bwd_item(item, p, tiles, chunk);
+        const int kv_head = wi.kv_head, tile = wi.tile;
+        const AttentionSeq sq = attention_seq(p, wi.seq);
         const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
-        if (q_len <= 0) continue;
         const int first_pos = kv_len - q_len;
         const int key_tiles = (kv_len + KEYS - 1) / KEYS;
-        for (int tile = tile0; tile < key_tiles; tile += tile_step) {
-          const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
-          for (int it = 0; it < group * q_blocks; ++it) {
-            const int head = kv_head * group + it / q_blocks;
-            const int qstart = (first_qb + it % q_blocks) * kTileRows;
-            const int64_t block_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + qstart;
-            int32_t* turn = w.turns + 1 + block_row;
-            if (warp == 1) {
-              mbar_wait(sm.acc_empty, phase ^ 1);  // the consumers have read the previous sums
-              if (tile > 0) {
-                while (ld_acquire_gpu(turn) != tile) {
-                }
-                asm volatile("fence.proxy.async.global;" ::: "memory");  // the sums, to the TMA's reads
-                mbar_arrive_expect_tx(sm.acc_full, Cfg::ACC_BYTES);
-                for (int b = 0; b < D / Cfg::ACC_BOX_COLUMNS; ++b) {
-                  tma_load_2d(acc_tile + b * kBoxBytes, &acc_map, sm.acc_full, b * Cfg::ACC_BOX_COLUMNS,
-                              static_cast<int>(block_row));
-                }
-              } else {
-                mbar_arrive(sm.acc_full);  // tile 0: the sums start at +0
+        if (q_len <= 0 || tile >= key_tiles) continue;
+        const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
+        for (int it = 0; it < group * q_blocks; ++it) {
+          const int head = kv_head * group + it / q_blocks;
+          const int qstart = (first_qb + it % q_blocks) * kTileRows;
+          const int64_t block_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + qstart;
+          int32_t* turn = w.turns + 1 + block_row;
+          if (warp == 1) {
+            mbar_wait(sm.acc_empty, phase ^ 1);  // the consumers have read the previous sums
+            if (tile > 0) {
+              while (ld_acquire_gpu(turn) != tile) {
+              }
+              asm volatile("fence.proxy.async.global;" ::: "memory");  // the sums, to the TMA's reads
+              mbar_arrive_expect_tx(sm.acc_full, Cfg::ACC_BYTES);
+              for (int b = 0; b < D / Cfg::ACC_BOX_COLUMNS; ++b) {
+                tma_load_2d(acc_tile + b * kBoxBytes, &acc_map, sm.acc_full, b * Cfg::ACC_BOX_COLUMNS,
+                            static_cast<int>(block_row));
               }
             } else {
-              mbar_wait(sm.acc_stored, phase);
-              if (tile < last_key_tile(qstart, key_tiles, first_pos)) {
-                __threadfence();
-                red_release_gpu_add(turn, 1);
-              }
+              mbar_arrive(sm.acc_full);  // tile 0: the sums start at +0
             }
-            phase ^= 1;
+          } else {
+            mbar_wait(sm.acc_stored, phase);
+            if (tile < last_key_tile(qstart, key_tiles, first_pos)) {
+              __threadfence();
+              red_release_gpu_add(turn, 1);
+            }
           }
+          phase ^= 1;
         }
       }
       return;
@@ -479,38 +494,37 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     PairRingProducer<STAGES, Cfg::D_BOXES> qdo_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                     sm.full, sm.empty, sm.tail};
     uint32_t kv_phase = 0;
-    for (int64_t s = seq0; s < p.num_seqs; s += seq_step) {
-      const AttentionSeq sq = attention_seq(p, s);
+    for (int64_t item = item0; item < items; item += item_step) {
+      const BwdItem wi = bwd_item(item, p, tiles, chunk);
+      const int kv_head = wi.kv_head, tile = wi.tile;
+      const AttentionSeq sq = attention_seq(p, wi.seq);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
-      if (q_len <= 0) continue;
       const int first_pos = kv_len - q_len;
-      const int key_tiles = (kv_len + KEYS - 1) / KEYS;
+      if (q_len <= 0 || tile >= (kv_len + KEYS - 1) / KEYS) continue;
       int q_c1, q_c2, kv_c1, kv_c2;  // map coordinates of the sequence's token 0, head 0
       q_at.coords(sq.q_base, 0, 0, q_c1, q_c2);
       kv_at.coords(sq.kv_base, 0, 0, kv_c1, kv_c2);
-      for (int tile = tile0; tile < key_tiles; tile += tile_step) {
-        const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
-        // K, V of the tile, once both consumers are done with the previous tile's (kv_free).
-        mbar_wait(kv_free, kv_phase ^ 1);
-        kv_phase ^= 1;
-        if (lane == 0) {
-          mbar_arrive_expect_tx(kv_ready, Cfg::RESIDENT_BYTES);
-          for (int c = 0; c < Cfg::CONSUMERS; ++c) {
-            int c1, c2;
-            kv_at.step(kv_c1, kv_c2, kv_head, key0 + c * kTileRows, c1, c2);
-            for (int b = 0; b < Cfg::D_BOXES; ++b) {
-              tma_load_3d(k_tile + c * Cfg::TILE_BYTES + b * kBoxBytes, &k_map, kv_ready, b * kBoxElems, c1, c2);
-              tma_load_3d(v_tile + c * Cfg::TILE_BYTES + b * kBoxBytes, &v_map, kv_ready, b * kBoxElems, c1, c2);
-            }
+      const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
+      // K, V of the tile, once both consumers are done with the previous tile's (kv_free).
+      mbar_wait(kv_free, kv_phase ^ 1);
+      kv_phase ^= 1;
+      if (lane == 0) {
+        mbar_arrive_expect_tx(kv_ready, Cfg::RESIDENT_BYTES);
+        for (int c = 0; c < Cfg::CONSUMERS; ++c) {
+          int c1, c2;
+          kv_at.step(kv_c1, kv_c2, kv_head, key0 + c * kTileRows, c1, c2);
+          for (int b = 0; b < Cfg::D_BOXES; ++b) {
+            tma_load_3d(k_tile + c * Cfg::TILE_BYTES + b * kBoxBytes, &k_map, kv_ready, b * kBoxElems, c1, c2);
+            tma_load_3d(v_tile + c * Cfg::TILE_BYTES + b * kBoxBytes, &v_map, kv_ready, b * kBoxElems, c1, c2);
           }
         }
-        for (int it = 0; it < group * q_blocks; ++it) {
-          const int head = kv_head * group + it / q_blocks;
-          const int qstart = (first_qb + it % q_blocks) * kTileRows;
-          int c1, c2;
-          q_at.step(q_c1, q_c2, head, qstart, c1, c2);
-          qdo_ring.load(&q_map, &do_map, c1, c2, q_len - qstart, lane);  // Q, dO rows past q_len: zeros
-        }
+      }
+      for (int it = 0; it < group * q_blocks; ++it) {
+        const int head = kv_head * group + it / q_blocks;
+        const int qstart = (first_qb + it % q_blocks) * kTileRows;
+        int c1, c2;
+        q_at.step(q_c1, q_c2, head, qstart, c1, c2);
+        qdo_ring.load(&q_map, &do_map, c1, c2, q_len - qstart, lane);  // Q, dO rows past q_len: zeros
       }
     }
     return;
@@ -530,238 +544,238 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   int ds_buffer = 0;
   uint32_t kv_phase = 0, acc_phase = 0;
 
-  for (int64_t s = seq0; s < p.num_seqs; s += seq_step) {
-    const AttentionSeq sq = attention_seq(p, s);
+  for (int64_t item = item0; item < items; item += item_step) {
+    const BwdItem wi = bwd_item(item, p, tiles, chunk);
+    const int kv_head = wi.kv_head, tile = wi.tile;
+    const AttentionSeq sq = attention_seq(p, wi.seq);
     const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
-    if (q_len <= 0) continue;
     const int first_pos = kv_len - q_len;
     const int key_tiles = (kv_len + KEYS - 1) / KEYS;
-    for (int tile = tile0; tile < key_tiles; tile += tile_step) {
-      const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
-      const int my_key0 = key0 + consumer * kTileRows;
-      const int warp_key0 = my_key0 + warp * 16;
-      bool nonfinite = false;
-      float dk_acc[1][D / 8][4], dv_acc[1][D / 8][4];
+    if (q_len <= 0 || tile >= key_tiles) continue;
+    const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
+    const int my_key0 = key0 + consumer * kTileRows;
+    const int warp_key0 = my_key0 + warp * 16;
+    bool nonfinite = false;
+    float dk_acc[1][D / 8][4], dv_acc[1][D / 8][4];
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
+    for (int dn = 0; dn < D / 8; ++dn) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk_acc[0][dn][e] = dv_acc[0][dn][e] = 0.f;
-      }
-      float(&dk_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dk_acc[0][0][0]);
-      float(&dv_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv_acc[0][0][0]);
-      mbar_wait(kv_ready, kv_phase);
-      kv_phase ^= 1;
-      if (ORDERED_DQ && my_key0 + kTileRows > kv_len) {
-        // The ordered dQ multiplies the whole K tile by dS: its rows past kv_len (another
-        // sequence's keys) become zeros, as the dQ kernel's zero fill (their dS is +0).
-        if (warp == 0) zero_rows(k_tile + consumer * Cfg::TILE_BYTES, Cfg::D_BOXES, my_key0 < kv_len ? kv_len - my_key0 : 0, lane);
-        named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);
-      }
+      for (int e = 0; e < 4; ++e) dk_acc[0][dn][e] = dv_acc[0][dn][e] = 0.f;
+    }
+    float(&dk_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dk_acc[0][0][0]);
+    float(&dv_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv_acc[0][0][0]);
+    mbar_wait(kv_ready, kv_phase);
+    kv_phase ^= 1;
+    if (ORDERED_DQ && my_key0 + kTileRows > kv_len) {
+      // The ordered dQ multiplies the whole K tile by dS: its rows past kv_len (another
+      // sequence's keys) become zeros, as the dQ kernel's zero fill (their dS is +0).
+      if (warp == 0) zero_rows(k_tile + consumer * Cfg::TILE_BYTES, Cfg::D_BOXES, my_key0 < kv_len ? kv_len - my_key0 : 0, lane);
+      named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);
+    }
 
-      // The blocks (head kv_head * group + hg, query block first_qb + qb), qb fastest.
-      for (int hg = 0, qb = 0; q_blocks > 0 && hg < group; qb == q_blocks - 1 ? (qb = 0, ++hg) : ++qb) {
-        const int head = kv_head * group + hg;
-        const int qstart = (first_qb + qb) * kTileRows;
-        const int64_t lse_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head;
-        uint8_t* my_ds = sm.scratch + (ds_buffer * Cfg::CONSUMERS + consumer) * kBoxBytes;
-        {
-          // The next block's lse and delta rows into L1 while this block runs (6 lanes: the first,
-          // middle and last row of each, so every line of the up to 3 they span): the exponentials
-          // need the lse right after S^T's wait, where loads from L2 stood (ptxas issues them in
-          // batches, short of registers). Scheduling only.
-          const bool last_qb = qb == q_blocks - 1;
-          const int next_q = last_qb ? first_qb * kTileRows : qstart + kTileRows;
-          const int next_rows = min(kTileRows, q_len - next_q);
-          const int64_t row = lse_row + (last_qb ? p.lse_stride_head : 0) + next_q + (tid % 3) * (next_rows - 1) / 2;
-          prefetch_l1_if((tid < 3 ? p.lse : gp.delta) + row, tid < 6 && !(last_qb && hg == group - 1));
-        }
-        const int stage = ring.stage;
-        mbar_wait(&sm.full[stage], ring.phase);
-        // A warpgroup whose keys all come after the block's last query (causal), or lie past
-        // kv_len, would only add exact zeros / unused values: skipped (released only; its dS tile
-        // for the ordered dQ is +0).
-        const bool skip = my_key0 >= kv_len || (p.causal && my_key0 > first_pos + qstart + kTileRows - 1);
-        if (!skip) {
-          const uint64_t q_desc = box_desc(smem_addr(q_stage(stage))), do_desc = box_desc(smem_addr(do_stage(stage)));
-          // lse log2(e) and delta of this thread's query columns qstart + 8 nt + 2 t + e.
-          float pt[1][8][4];
-          float(&pt_flat)[32] = *reinterpret_cast<float(*)[32]>(&pt[0][0][0]);
-          float dpt[1][8][4];
-          float(&dpt_flat)[32] = *reinterpret_cast<float(*)[32]>(&dpt[0][0][0]);
-          auto issue_dpt = [&]() {
-#pragma unroll
-            for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-              Wgmma<64, T>::template mma<0, 0>(dpt_flat, kmajor_chunk(my_v, ks), kmajor_chunk(do_desc, ks), ks > 0);
-            wgmma_commit();
-          };
-          // S^T = K Q^T, then dP^T = V dO^T on the tensor cores while P^T is computed (the EXACT
-          // kernel issues dP^T after its dV by cuts: it has no registers to spare).
-          wgmma_fence();
+    // The blocks (head kv_head * group + hg, query block first_qb + qb), qb fastest.
+    for (int hg = 0, qb = 0; q_blocks > 0 && hg < group; qb == q_blocks - 1 ? (qb = 0, ++hg) : ++qb) {
+      const int head = kv_head * group + hg;
+      const int qstart = (first_qb + qb) * kTileRows;
+      const int64_t lse_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head;
+      uint8_t* my_ds = sm.scratch + (ds_buffer * Cfg::CONSUMERS + consumer) * kBoxBytes;
+      {
+        // The next block's lse and delta rows into L1 while this block runs (6 lanes: the first,
+        // middle and last row of each, so every line of the up to 3 they span): the exponentials
+        // need the lse right after S^T's wait, where loads from L2 stood (ptxas issues them in
+        // batches, short of registers). Scheduling only.
+        const bool last_qb = qb == q_blocks - 1;
+        const int next_q = last_qb ? first_qb * kTileRows : qstart + kTileRows;
+        const int next_rows = min(kTileRows, q_len - next_q);
+        const int64_t row = lse_row + (last_qb ? p.lse_stride_head : 0) + next_q + (tid % 3) * (next_rows - 1) / 2;
+        prefetch_l1_if((tid < 3 ? p.lse : gp.delta) + row, tid < 6 && !(last_qb && hg == group - 1));
+      }
+      const int stage = ring.stage;
+      mbar_wait(&sm.full[stage], ring.phase);
+      // A warpgroup whose keys all come after the block's last query (causal), or lie past
+      // kv_len, would only add exact zeros / unused values: skipped (released only; its dS tile
+      // for the ordered dQ is +0).
+      const bool skip = my_key0 >= kv_len || (p.causal && my_key0 > first_pos + qstart + kTileRows - 1);
+      if (!skip) {
+        const uint64_t q_desc = box_desc(smem_addr(q_stage(stage))), do_desc = box_desc(smem_addr(do_stage(stage)));
+        // lse log2(e) and delta of this thread's query columns qstart + 8 nt + 2 t + e.
+        float pt[1][8][4];
+        float(&pt_flat)[32] = *reinterpret_cast<float(*)[32]>(&pt[0][0][0]);
+        float dpt[1][8][4];
+        float(&dpt_flat)[32] = *reinterpret_cast<float(*)[32]>(&dpt[0][0][0]);
+        auto issue_dpt = [&]() {
 #pragma unroll
           for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(pt_flat, kmajor_chunk(my_k, ks), kmajor_chunk(q_desc, ks), ks > 0);
+            Wgmma<64, T>::template mma<0, 0>(dpt_flat, kmajor_chunk(my_v, ks), kmajor_chunk(do_desc, ks), ks > 0);
           wgmma_commit();
-          if constexpr (!EXACT) issue_dpt();
-          wgmma_wait<EXACT ? 0 : 1>();  // S^T done (and the held stage's dK product before it)
-          fence_accumulators(pt_flat);
-          if constexpr (HOLD_DK) ring.release_held(sm.empty, tid);
+        };
+        // S^T = K Q^T, then dP^T = V dO^T on the tensor cores while P^T is computed (the EXACT
+        // kernel issues dP^T after its dV by cuts: it has no registers to spare).
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
+          Wgmma<64, T>::template mma<0, 0>(pt_flat, kmajor_chunk(my_k, ks), kmajor_chunk(q_desc, ks), ks > 0);
+        wgmma_commit();
+        if constexpr (!EXACT) issue_dpt();
+        wgmma_wait<EXACT ? 0 : 1>();  // S^T done (and the held stage's dK product before it)
+        fence_accumulators(pt_flat);
+        if constexpr (HOLD_DK) ring.release_held(sm.empty, tid);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int i0 = qstart + nt * 8 + 2 * t;
+          const float l0 = i0 < q_len ? __fmul_rn(p.lse[lse_row + i0], kLog2e) : 0.f;
+          const float l1 = i0 + 1 < q_len ? __fmul_rn(p.lse[lse_row + i0 + 1], kLog2e) : 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pt[0][nt][e] = ex2(__fmaf_rn(pt[0][nt][e], scale_log2, -(e % 2 ? l1 : l0)));
+        }
+        // Masking as the sm80 kernel: query column c = 8 nt + e % 2 (relative to qstart + 2t)
+        // is allowed for key row hh iff lo[hh] <= c <= hi.
+        const bool causal_diag = p.causal && warp_key0 + 15 > first_pos + qstart;
+        const bool sub_masked = qstart + kTileRows > q_len || causal_diag;
+        auto mask_sub = [&](float (&x)[1][8][4]) {
+          const int hi = q_len - 1 - qstart - 2 * t;
+          int lo[2];
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) lo[hh] = p.causal ? warp_key0 + g + 8 * hh - first_pos - qstart - 2 * t : -kTileRows;
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
-            const int i0 = qstart + nt * 8 + 2 * t;
-            const float l0 = i0 < q_len ? __fmul_rn(p.lse[lse_row + i0], kLog2e) : 0.f;
-            const float l1 = i0 + 1 < q_len ? __fmul_rn(p.lse[lse_row + i0 + 1], kLog2e) : 0.f;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) pt[0][nt][e] = ex2(__fmaf_rn(pt[0][nt][e], scale_log2, -(e % 2 ? l1 : l0)));
-          }
-          // Masking as the sm80 kernel: query column c = 8 nt + e % 2 (relative to qstart + 2t)
-          // is allowed for key row hh iff lo[hh] <= c <= hi.
-          const bool causal_diag = p.causal && warp_key0 + 15 > first_pos + qstart;
-          const bool sub_masked = qstart + kTileRows > q_len || causal_diag;
-          auto mask_sub = [&](float (&x)[1][8][4]) {
-            const int hi = q_len - 1 - qstart - 2 * t;
-            int lo[2];
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) lo[hh] = p.causal ? warp_key0 + g + 8 * hh - first_pos - qstart - 2 * t : -kTileRows;
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int c = nt * 8 + e % 2;
-                if (c > hi || c < lo[e / 2]) x[0][nt][e] = 0.f;
-              }
+            for (int e = 0; e < 4; ++e) {
+              const int c = nt * 8 + e % 2;
+              if (c > hi || c < lo[e / 2]) x[0][nt][e] = 0.f;
             }
-          };
-          if (sub_masked) mask_sub(pt);
-          uint32_t pa[4][4];
+          }
+        };
+        if (sub_masked) mask_sub(pt);
+        uint32_t pa[4][4];
 #pragma unroll
-          for (int kc = 0; kc < 4; ++kc) c_to_a<T>(pa[kc], pt[0][2 * kc], pt[0][2 * kc + 1]);
-          // dV += P^T dO (queries as k).
-          // EXACT on the diagonal: key row r may use the chunk's queries from its own position on.
-          const bool cuts = EXACT && p.causal && my_key0 + kTileRows - 1 > first_pos + qstart;
-          auto by_cuts = [&](float (&acc)[D / 2], const uint32_t (&a)[4][4], const uint8_t* b_tile) {
-            uint8_t* scratch = sm.scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
+        for (int kc = 0; kc < 4; ++kc) c_to_a<T>(pa[kc], pt[0][2 * kc], pt[0][2 * kc + 1]);
+        // dV += P^T dO (queries as k).
+        // EXACT on the diagonal: key row r may use the chunk's queries from its own position on.
+        const bool cuts = EXACT && p.causal && my_key0 + kTileRows - 1 > first_pos + qstart;
+        auto by_cuts = [&](float (&acc)[D / 2], const uint32_t (&a)[4][4], const uint8_t* b_tile) {
+          uint8_t* scratch = sm.scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
 #pragma unroll 1
-            for (int kc = 0; kc < 4; ++kc) {
-              int count[2];
+          for (int kc = 0; kc < 4; ++kc) {
+            int count[2];
 #pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                const int lo = warp_key0 + g + 8 * hh - first_pos - (qstart + 16 * kc);
-                count[hh] = 16 - (lo < 0 ? 0 : lo > 16 ? 16 : lo);
-              }
-              uint32_t ak[4] = {a[0][0], a[0][1], a[0][2], a[0][3]};
-#pragma unroll
-              for (int c = 1; c < 4; ++c) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) ak[r] = c == kc ? a[c][r] : ak[r];
-              }
-              rs_product_by_cuts<T, D, false>(acc, ak, b_tile + 16 * kc * 128, kBoxBytes, scratch, count, tid,
-                                              kConsumerBar + consumer);
+            for (int hh = 0; hh < 2; ++hh) {
+              const int lo = warp_key0 + g + 8 * hh - first_pos - (qstart + 16 * kc);
+              count[hh] = 16 - (lo < 0 ? 0 : lo > 16 ? 16 : lo);
             }
-          };
-          if (cuts) {
-            by_cuts(dv_flat, pa, do_stage(stage));
-          } else {
-            wgmma_fence();
+            uint32_t ak[4] = {a[0][0], a[0][1], a[0][2], a[0][3]};
 #pragma unroll
-            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dv_flat, pa[kc], mn_chunk(do_desc, kc), 1);
-            wgmma_commit();
+            for (int c = 1; c < 4; ++c) {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) ak[r] = c == kc ? a[c][r] : ak[r];
+            }
+            rs_product_by_cuts<T, D, false>(acc, ak, b_tile + 16 * kc * 128, kBoxBytes, scratch, count, tid,
+                                            kConsumerBar + consumer);
           }
-          if constexpr (EXACT) {
-            wgmma_fence();
-            issue_dpt();
-          }
-          wgmma_wait<0>();
-          fence_accumulators(dpt_flat);
-          fence_accumulators(dv_flat);
+        };
+        if (cuts) {
+          by_cuts(dv_flat, pa, do_stage(stage));
+        } else {
+          wgmma_fence();
+#pragma unroll
+          for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dv_flat, pa[kc], mn_chunk(do_desc, kc), 1);
+          wgmma_commit();
+        }
+        if constexpr (EXACT) {
+          wgmma_fence();
+          issue_dpt();
+        }
+        wgmma_wait<0>();
+        fence_accumulators(dpt_flat);
+        fence_accumulators(dv_flat);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int i0 = qstart + nt * 8 + 2 * t;
+          const float d0 = i0 < q_len ? gp.delta[lse_row + i0] : 0.f;
+          const float d1 = i0 + 1 < q_len ? gp.delta[lse_row + i0 + 1] : 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dpt[0][nt][e] = __fmul_rn(pt[0][nt][e], __fsub_rn(dpt[0][nt][e], e % 2 ? d1 : d0));
+        }
+        if (sub_masked) mask_sub(dpt);
+        if (ORDERED_DQ && my_key0 + kTileRows > kv_len) {
+          // Keys past kv_len: dS = +0 for dQ (their own dK rows are not written).
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
-            const int i0 = qstart + nt * 8 + 2 * t;
-            const float d0 = i0 < q_len ? gp.delta[lse_row + i0] : 0.f;
-            const float d1 = i0 + 1 < q_len ? gp.delta[lse_row + i0 + 1] : 0.f;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dpt[0][nt][e] = __fmul_rn(pt[0][nt][e], __fsub_rn(dpt[0][nt][e], e % 2 ? d1 : d0));
-          }
-          if (sub_masked) mask_sub(dpt);
-          if (ORDERED_DQ && my_key0 + kTileRows > kv_len) {
-            // Keys past kv_len: dS = +0 for dQ (their own dK rows are not written).
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                if (warp_key0 + g + 8 * (e / 2) >= kv_len) dpt[0][nt][e] = 0.f;
-              }
+            for (int e = 0; e < 4; ++e) {
+              if (warp_key0 + g + 8 * (e / 2) >= kv_len) dpt[0][nt][e] = 0.f;
             }
           }
-#pragma unroll
-          for (int kc = 0; kc < 4; ++kc) c_to_a<T>(pa[kc], dpt[0][2 * kc], dpt[0][2 * kc + 1]);
-          if (cuts) {
-            by_cuts(dk_flat, pa, q_stage(stage));
-          } else if constexpr (HOLD_DK) {
-            wgmma_fence();
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dk_flat, pa[kc], mn_chunk(q_desc, kc), 1);
-            wgmma_commit();
-          } else {
-            rs_block_product<T, D>(dk_flat, pa, q_desc);
-          }
-          if constexpr (ORDERED_DQ) {
-            // dS^T as dQ's A operand (queries x keys) stored MN-major: row = key, the 64 queries
-            // along it. Fragment register r of chunk kc: key 16 warp + g + 8 (r % 2), queries
-            // 16 kc + 8 (r / 2) + 2 t, + 1.
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) {
-#pragma unroll
-              for (int r = 0; r < 4; ++r) {
-                const int key = warp * 16 + g + 8 * (r % 2);
-                *reinterpret_cast<uint32_t*>(my_ds + swizzled_chunk_offset(key, 0, 2 * kc + r / 2) + 4 * t) = pa[kc][r];
-              }
-            }
-          }
-        } else if (ORDERED_DQ) {
-          for (int i = tid; i < kBoxBytes / 16; i += kWarpgroupThreads) reinterpret_cast<uint4*>(my_ds)[i] = make_uint4(0, 0, 0, 0);
         }
-        ring.template end_block<HOLD_DK>(!skip, sm.empty, tid);
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) c_to_a<T>(pa[kc], dpt[0][2 * kc], dpt[0][2 * kc + 1]);
+        if (cuts) {
+          by_cuts(dk_flat, pa, q_stage(stage));
+        } else if constexpr (HOLD_DK) {
+          wgmma_fence();
+#pragma unroll
+          for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dk_flat, pa[kc], mn_chunk(q_desc, kc), 1);
+          wgmma_commit();
+        } else {
+          rs_block_product<T, D>(dk_flat, pa, q_desc);
+        }
         if constexpr (ORDERED_DQ) {
-          fence_proxy_async();  // the dS tile's stores, to the wgmma's reads
-          named_bar_sync(kDsReadyBar, Cfg::CONSUMERS * kWarpgroupThreads);  // both dS tiles are stored
-          if (consumer < Cfg::DQ_WORKERS) {
-            mbar_wait(sm.acc_full, acc_phase);
-            const int64_t dq_offset = sq.q_base + static_cast<int64_t>(qstart) * p.q_stride_token +
-                                      static_cast<int64_t>(head) * p.q_stride_head;
-            nonfinite |= ordered_dq_turn<T, Cfg>(gp, w, sm.scratch + ds_buffer * Cfg::CONSUMERS * kBoxBytes, k_tile,
-                                                 acc_tile, sm.acc_empty, lse_row + qstart, dq_offset, q_len - qstart,
-                                                 tile == 0, tile == last_key_tile(qstart, key_tiles, first_pos),
-                                                 consumer, tid);
-            mbar_arrive(sm.acc_stored);  // after this thread's stores: the releaser may pass the turn on
+          // dS^T as dQ's A operand (queries x keys) stored MN-major: row = key, the 64 queries
+          // along it. Fragment register r of chunk kc: key 16 warp + g + 8 (r % 2), queries
+          // 16 kc + 8 (r / 2) + 2 t, + 1.
+#pragma unroll
+          for (int kc = 0; kc < 4; ++kc) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int key = warp * 16 + g + 8 * (r % 2);
+              *reinterpret_cast<uint32_t*>(my_ds + swizzled_chunk_offset(key, 0, 2 * kc + r / 2) + 4 * t) = pa[kc][r];
+            }
           }
-          acc_phase ^= 1;
-          ds_buffer ^= 1;
         }
+      } else if (ORDERED_DQ) {
+        for (int i = tid; i < kBoxBytes / 16; i += kWarpgroupThreads) reinterpret_cast<uint4*>(my_ds)[i] = make_uint4(0, 0, 0, 0);
       }
-
-      if constexpr (HOLD_DK) {
-        ring.drain(sm.empty, tid);
-        fence_accumulators(dk_flat);
-      }
-      // Epilogue: keys below kv_len; dK = scale * acc and dV rounded once.
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int key = warp_key0 + g + 8 * hh;
-        if (key >= kv_len) continue;
-        const int64_t off = sq.kv_base + static_cast<int64_t>(kv_head) * p.kv_stride_head +
-                            static_cast<int64_t>(key) * p.kv_stride_token + 2 * t;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-          const float k0 = __fmul_rn(dk_acc[0][dn][2 * hh], p.scale), k1 = __fmul_rn(dk_acc[0][dn][2 * hh + 1], p.scale);
-          const float v0 = dv_acc[0][dn][2 * hh], v1 = dv_acc[0][dn][2 * hh + 1];
-          nonfinite |= either_nonfinite(k0, k1) | either_nonfinite(v0, v1);
-          *reinterpret_cast<uint32_t*>(dk + off + dn * 8) = pack_rounded<T>(k0, k1);
-          *reinterpret_cast<uint32_t*>(dv + off + dn * 8) = pack_rounded<T>(v0, v1);
+      ring.template end_block<HOLD_DK>(!skip, sm.empty, tid);
+      if constexpr (ORDERED_DQ) {
+        fence_proxy_async();  // the dS tile's stores, to the wgmma's reads
+        named_bar_sync(kDsReadyBar, Cfg::CONSUMERS * kWarpgroupThreads);  // both dS tiles are stored
+        if (consumer < Cfg::DQ_WORKERS) {
+          mbar_wait(sm.acc_full, acc_phase);
+          const int64_t dq_offset = sq.q_base + static_cast<int64_t>(qstart) * p.q_stride_token +
+                                    static_cast<int64_t>(head) * p.q_stride_head;
+          nonfinite |= ordered_dq_turn<T, Cfg>(gp, w, sm.scratch + ds_buffer * Cfg::CONSUMERS * kBoxBytes, k_tile,
+                                               acc_tile, sm.acc_empty, lse_row + qstart, dq_offset, q_len - qstart,
+                                               tile == 0, tile == last_key_tile(qstart, key_tiles, first_pos),
+                                               consumer, tid);
+          mbar_arrive(sm.acc_stored);  // after this thread's stores: the releaser may pass the turn on
         }
+        acc_phase ^= 1;
+        ds_buffer ^= 1;
       }
-      if (!EXACT && p.status != nullptr && __any_sync(0xffffffffu, nonfinite) && lane == 0) *p.status = 1;
-      if (tid == 0) mbar_arrive(kv_free);  // this consumer's products of the tile are all done
     }
+
+    if constexpr (HOLD_DK) {
+      ring.drain(sm.empty, tid);
+      fence_accumulators(dk_flat);
+    }
+    // Epilogue: keys below kv_len; dK = scale * acc and dV rounded once.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int key = warp_key0 + g + 8 * hh;
+      if (key >= kv_len) continue;
+      const int64_t off = sq.kv_base + static_cast<int64_t>(kv_head) * p.kv_stride_head +
+                          static_cast<int64_t>(key) * p.kv_stride_token + 2 * t;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const float k0 = __fmul_rn(dk_acc[0][dn][2 * hh], p.scale), k1 = __fmul_rn(dk_acc[0][dn][2 * hh + 1], p.scale);
+        const float v0 = dv_acc[0][dn][2 * hh], v1 = dv_acc[0][dn][2 * hh + 1];
+        nonfinite |= either_nonfinite(k0, k1) | either_nonfinite(v0, v1);
+        *reinterpret_cast<uint32_t*>(dk + off + dn * 8) = pack_rounded<T>(k0, k1);
+        *reinterpret_cast<uint32_t*>(dv + off + dn * 8) = pack_rounded<T>(v0, v1);
+      }
+    }
+    if (!EXACT && p.status != nullptr && __any_sync(0xffffffffu, nonfinite) && lane == 0) *p.status = 1;
+    if (tid == 0) mbar_arrive(kv_free);  // this consumer's products of the tile are all done
   }
 #endif  // RL_ALIGN_SM90A_DEVICE
 }
@@ -786,7 +800,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   sm.template init_barriers<EXACT, false>();
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  const int kv_head = static_cast<int>(blockIdx.x);
+  const int64_t tiles_max = ceil_div(p.max_q_len * group, ROWS), items = bwd_items(p, tiles_max);
   // Visit `visit` of a sequence's row tiles (heaviest first), the same for both roles: rows
   // row0 .. row0 + ROWS - 1 of its q_len * G, and the key blocks [0, num_blocks) its last row sees.
   struct RowTile {
@@ -804,22 +818,22 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int lane = static_cast<int>(threadIdx.x);
     PairRingProducer<STAGES, Cfg::D_BOXES> kv_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                    sm.full, sm.empty, sm.tail};
-    for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
-      const AttentionSeq sq = attention_seq(p, s);
+    for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+      const BwdItem wi = bwd_item(item, p, tiles_max, kBwdPairsPerChunk);
+      const int visit = wi.tile;
+      const AttentionSeq sq = attention_seq(p, wi.seq);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
-      if (q_len <= 0) continue;
       const int rows = q_len * group, tiles = (rows + ROWS - 1) / ROWS;
       const int first_pos = kv_len - q_len;
+      if (q_len <= 0 || visit >= tiles) continue;
       int kv_c1, kv_c2;
-      kv_at.coords(sq.kv_base, kv_head, 0, kv_c1, kv_c2);
-      for (int visit = static_cast<int>(blockIdx.z); visit < tiles; visit += static_cast<int>(gridDim.z)) {
-        const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
-        for (int b = 0; b < num_blocks; ++b) {
-          const int key0 = b * kTileRows;
-          int c1, c2;
-          kv_at.step(kv_c1, kv_c2, 0, key0, c1, c2);
-          kv_ring.load(&k_map, &v_map, c1, c2, kv_len - key0, lane);  // K rows past kv_len meet dS = +0: zeros
-        }
+      kv_at.coords(sq.kv_base, wi.kv_head, 0, kv_c1, kv_c2);
+      const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
+      for (int b = 0; b < num_blocks; ++b) {
+        const int key0 = b * kTileRows;
+        int c1, c2;
+        kv_at.step(kv_c1, kv_c2, 0, key0, c1, c2);
+        kv_ring.load(&k_map, &v_map, c1, c2, kv_len - key0, lane);  // K rows past kv_len meet dS = +0: zeros
       }
     }
     return;
@@ -838,177 +852,177 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   constexpr bool HOLD_DQ = !EXACT;
   ConsumerRing<STAGES, EXACT> ring;
 
-  for (int64_t s = blockIdx.y; s < p.num_seqs; s += gridDim.y) {
-    const AttentionSeq sq = attention_seq(p, s);
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const BwdItem wi = bwd_item(item, p, tiles_max, kBwdPairsPerChunk);
+    const int kv_head = wi.kv_head, visit = wi.tile;
+    const AttentionSeq sq = attention_seq(p, wi.seq);
     const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
-    if (q_len <= 0) continue;
     const int rows = q_len * group, tiles = (rows + ROWS - 1) / ROWS;
     const int first_pos = kv_len - q_len;
-    for (int visit = static_cast<int>(blockIdx.z); visit < tiles; visit += static_cast<int>(gridDim.z)) {
-      const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
-      const int my_row0 = row0 + consumer * kTileRows;
-      const bool active = my_row0 < rows;
-      const int my_last_pos = first_pos + ((my_row0 + kTileRows < rows ? my_row0 + kTileRows : rows) - 1) / group;
+    if (q_len <= 0 || visit >= tiles) continue;
+    const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
+    const int my_row0 = row0 + consumer * kTileRows;
+    const bool active = my_row0 < rows;
+    const int my_last_pos = first_pos + ((my_row0 + kTileRows < rows ? my_row0 + kTileRows : rows) - 1) / group;
 
-      named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);  // the last tile's products are done
-      if (active) {
-        load_q_do_swizzled<T, D>(my_q, my_do, q, dout, p, sq.q_base, kv_head, my_row0, rows, group, tid);
-        fence_proxy_async();
-      }
-      named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);
+    named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);  // the last tile's products are done
+    if (active) {
+      load_q_do_swizzled<T, D>(my_q, my_do, q, dout, p, sq.q_base, kv_head, my_row0, rows, group, tid);
+      fence_proxy_async();
+    }
+    named_bar_sync(kConsumerBar + consumer, kWarpgroupThreads);
 
-      const int warp_row0 = my_row0 + warp * 16;
-      const int warp_first_pos = first_pos + warp_row0 / group;
-      float lse_l2[2], delta_r[2];
-      int last_key[2];
+    const int warp_row0 = my_row0 + warp * 16;
+    const int warp_first_pos = first_pos + warp_row0 / group;
+    float lse_l2[2], delta_r[2];
+    int last_key[2];
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = warp_row0 + g + 8 * hh;
-        const int64_t i = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
-        const int64_t off = sq.lse_base + h * p.lse_stride_head + i;
-        lse_l2[hh] = row < rows ? __fmul_rn(p.lse[off], kLog2e) : 0.f;
-        delta_r[hh] = row < rows ? gp.delta[off] : 0.f;
-        const int pos = first_pos + static_cast<int>(i);
-        last_key[hh] = p.causal && pos < kv_len ? pos : kv_len - 1;
-      }
-      float dq_acc[1][D / 8][4];
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = warp_row0 + g + 8 * hh;
+      const int64_t i = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
+      const int64_t off = sq.lse_base + h * p.lse_stride_head + i;
+      lse_l2[hh] = row < rows ? __fmul_rn(p.lse[off], kLog2e) : 0.f;
+      delta_r[hh] = row < rows ? gp.delta[off] : 0.f;
+      const int pos = first_pos + static_cast<int>(i);
+      last_key[hh] = p.causal && pos < kv_len ? pos : kv_len - 1;
+    }
+    float dq_acc[1][D / 8][4];
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
+    for (int dn = 0; dn < D / 8; ++dn) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dq_acc[0][dn][e] = 0.f;
-      }
-      float(&dq_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dq_acc[0][0][0]);
-      const uint64_t q_desc = box_desc(smem_addr(my_q)), do_desc = box_desc(smem_addr(my_do));
-      const int my_end = !active ? 0 : p.causal ? my_last_pos / kTileRows + 1 : num_blocks;
-      const int my_first_pos = first_pos + my_row0 / group;
+      for (int e = 0; e < 4; ++e) dq_acc[0][dn][e] = 0.f;
+    }
+    float(&dq_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dq_acc[0][0][0]);
+    const uint64_t q_desc = box_desc(smem_addr(my_q)), do_desc = box_desc(smem_addr(my_do));
+    const int my_end = !active ? 0 : p.causal ? my_last_pos / kTileRows + 1 : num_blocks;
+    const int my_first_pos = first_pos + my_row0 / group;
 
-      // A warp's blocks with masked scores (causal: past its first row's position; past kv_len)
-      // are those from mask_from on.
-      const int tail_from = kv_len / kTileRows, causal_from = (warp_first_pos + 1) / kTileRows;
-      const int mask_from = p.causal && causal_from < tail_from ? causal_from : tail_from;
-      auto block = [&](int b, bool masked) {
-        const int stage = ring.stage;
-        mbar_wait(&sm.full[stage], ring.phase);
-        if (b < my_end) {
-          const int key0 = b * kTileRows;
-          const uint64_t k_desc = box_desc(smem_addr(k_stage(stage))), v_desc = box_desc(smem_addr(v_stage(stage)));
-          float sp[1][8][4], ds[1][8][4];
-          float(&sp_flat)[32] = *reinterpret_cast<float(*)[32]>(&sp[0][0][0]);
-          float(&ds_flat)[32] = *reinterpret_cast<float(*)[32]>(&ds[0][0][0]);
+    // A warp's blocks with masked scores (causal: past its first row's position; past kv_len)
+    // are those from mask_from on.
+    const int tail_from = kv_len / kTileRows, causal_from = (warp_first_pos + 1) / kTileRows;
+    const int mask_from = p.causal && causal_from < tail_from ? causal_from : tail_from;
+    auto block = [&](int b, bool masked) {
+      const int stage = ring.stage;
+      mbar_wait(&sm.full[stage], ring.phase);
+      if (b < my_end) {
+        const int key0 = b * kTileRows;
+        const uint64_t k_desc = box_desc(smem_addr(k_stage(stage))), v_desc = box_desc(smem_addr(v_stage(stage)));
+        float sp[1][8][4], ds[1][8][4];
+        float(&sp_flat)[32] = *reinterpret_cast<float(*)[32]>(&sp[0][0][0]);
+        float(&ds_flat)[32] = *reinterpret_cast<float(*)[32]>(&ds[0][0][0]);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
+          Wgmma<64, T>::template mma<0, 0>(sp_flat, kmajor_chunk(q_desc, ks), kmajor_chunk(k_desc, ks), ks > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
+          Wgmma<64, T>::template mma<0, 0>(ds_flat, kmajor_chunk(do_desc, ks), kmajor_chunk(v_desc, ks), ks > 0);
+        wgmma_commit();
+        wgmma_wait<1>();  // S done (and the held stage's dQ product before it); dP still runs
+        fence_accumulators(sp_flat);
+        if constexpr (HOLD_DQ) ring.release_held(sm.empty, tid);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sp[0][nt][e] = ex2(__fmaf_rn(sp[0][nt][e], scale_log2, -lse_l2[e / 2]));
+        }
+        auto mask_block = [&](float (&x)[1][8][4]) {
+          int limit[2];
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) limit[hh] = last_key[hh] - key0 - 2 * t;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if (nt * 8 + e % 2 > limit[e / 2]) x[0][nt][e] = 0.f;
+            }
+          }
+        };
+        if (masked) mask_block(sp);
+        // dP's wait in both arms of a warp-uniform branch on the exponentials (the arms are the
+        // same; the wait is .aligned, hence the vote): in straight-line code ptxas hoists it
+        // above them, so that they never overlap dP's product (the forward's wait for P V had
+        // the same fix).
+        if (__any_sync(0xffffffffu, sp[0][7][3] > 1.f)) {
+          wgmma_wait<0>();
+          fence_accumulators(ds_flat);
+        } else {
+          wgmma_wait<0>();
+          fence_accumulators(ds_flat);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ds[0][nt][e] = __fmul_rn(sp[0][nt][e], __fsub_rn(ds[0][nt][e], delta_r[e / 2]));
+        }
+        if (masked) mask_block(ds);
+        uint32_t dsa[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) c_to_a<T>(dsa[kc], ds[0][2 * kc], ds[0][2 * kc + 1]);
+        if (EXACT && p.causal && key0 + kTileRows - 1 > my_first_pos) {
+          // Query row r may use the chunk's keys up to its own position.
+          uint8_t* scratch = sm.scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
+#pragma unroll 1
+          for (int kc = 0; kc < 4; ++kc) {
+            int count[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int c = last_key[hh] - (key0 + 16 * kc) + 1;
+              count[hh] = c < 0 ? 0 : c > 16 ? 16 : c;
+            }
+            uint32_t ak[4] = {dsa[0][0], dsa[0][1], dsa[0][2], dsa[0][3]};
+#pragma unroll
+            for (int c = 1; c < 4; ++c) {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) ak[r] = c == kc ? dsa[c][r] : ak[r];
+            }
+            rs_product_by_cuts<T, D, true>(dq_flat, ak, k_stage(stage) + 16 * kc * 128, kBoxBytes, scratch, count,
+                                           tid, kConsumerBar + consumer);
+          }
+        } else if constexpr (HOLD_DQ) {
           wgmma_fence();
 #pragma unroll
-          for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(sp_flat, kmajor_chunk(q_desc, ks), kmajor_chunk(k_desc, ks), ks > 0);
+          for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dq_flat, dsa[kc], mn_chunk(k_desc, kc), 1);
           wgmma_commit();
-#pragma unroll
-          for (int ks = 0; ks < Cfg::D_STEPS; ++ks)
-            Wgmma<64, T>::template mma<0, 0>(ds_flat, kmajor_chunk(do_desc, ks), kmajor_chunk(v_desc, ks), ks > 0);
-          wgmma_commit();
-          wgmma_wait<1>();  // S done (and the held stage's dQ product before it); dP still runs
-          fence_accumulators(sp_flat);
-          if constexpr (HOLD_DQ) ring.release_held(sm.empty, tid);
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sp[0][nt][e] = ex2(__fmaf_rn(sp[0][nt][e], scale_log2, -lse_l2[e / 2]));
-          }
-          auto mask_block = [&](float (&x)[1][8][4]) {
-            int limit[2];
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) limit[hh] = last_key[hh] - key0 - 2 * t;
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                if (nt * 8 + e % 2 > limit[e / 2]) x[0][nt][e] = 0.f;
-              }
-            }
-          };
-          if (masked) mask_block(sp);
-          // dP's wait in both arms of a warp-uniform branch on the exponentials (the arms are the
-          // same; the wait is .aligned, hence the vote): in straight-line code ptxas hoists it
-          // above them, so that they never overlap dP's product (the forward's wait for P V had
-          // the same fix).
-          if (__any_sync(0xffffffffu, sp[0][7][3] > 1.f)) {
-            wgmma_wait<0>();
-            fence_accumulators(ds_flat);
-          } else {
-            wgmma_wait<0>();
-            fence_accumulators(ds_flat);
-          }
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ds[0][nt][e] = __fmul_rn(sp[0][nt][e], __fsub_rn(ds[0][nt][e], delta_r[e / 2]));
-          }
-          if (masked) mask_block(ds);
-          uint32_t dsa[4][4];
-#pragma unroll
-          for (int kc = 0; kc < 4; ++kc) c_to_a<T>(dsa[kc], ds[0][2 * kc], ds[0][2 * kc + 1]);
-          if (EXACT && p.causal && key0 + kTileRows - 1 > my_first_pos) {
-            // Query row r may use the chunk's keys up to its own position.
-            uint8_t* scratch = sm.scratch + consumer * Cfg::D_BOXES * kCutBoxBytes;
-#pragma unroll 1
-            for (int kc = 0; kc < 4; ++kc) {
-              int count[2];
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                const int c = last_key[hh] - (key0 + 16 * kc) + 1;
-                count[hh] = c < 0 ? 0 : c > 16 ? 16 : c;
-              }
-              uint32_t ak[4] = {dsa[0][0], dsa[0][1], dsa[0][2], dsa[0][3]};
-#pragma unroll
-              for (int c = 1; c < 4; ++c) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) ak[r] = c == kc ? dsa[c][r] : ak[r];
-              }
-              rs_product_by_cuts<T, D, true>(dq_flat, ak, k_stage(stage) + 16 * kc * 128, kBoxBytes, scratch, count,
-                                             tid, kConsumerBar + consumer);
-            }
-          } else if constexpr (HOLD_DQ) {
-            wgmma_fence();
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dq_flat, dsa[kc], mn_chunk(k_desc, kc), 1);
-            wgmma_commit();
-          } else {
-            rs_block_product<T, D>(dq_flat, dsa, k_desc);
-          }
-        }
-        ring.template end_block<HOLD_DQ>(b < my_end, sm.empty, tid);
-      };
-      // The blocks without a masked score, then those with: two loops, so that the first carries
-      // no per-score mask selects (as the forward's); the bound warp-uniform to the compiler. The
-      // EXACT kernel keeps one loop (no registers to spare for two copies).
-      if constexpr (EXACT) {
-        for (int b = 0; b < num_blocks; ++b) block(b, b >= mask_from);
-      } else {
-        const int unmasked_end = uniform(mask_from < num_blocks ? mask_from : num_blocks);
-        int b = 0;
-        for (; b < unmasked_end; ++b) block(b, false);
-        for (; b < num_blocks; ++b) block(b, true);
-      }
-      if constexpr (HOLD_DQ) {
-        ring.drain(sm.empty, tid);
-        fence_accumulators(dq_flat);
-      }
-      if (!active) continue;
-
-      bool nonfinite = false;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = warp_row0 + g + 8 * hh;
-        if (row >= rows) continue;
-        const int64_t i = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
-        T* dq_row = dq + sq.q_base + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-          const float a0 = __fmul_rn(dq_acc[0][dn][2 * hh], p.scale), a1 = __fmul_rn(dq_acc[0][dn][2 * hh + 1], p.scale);
-          nonfinite |= either_nonfinite(a0, a1);
-          *reinterpret_cast<uint32_t*>(dq_row + dn * 8) = pack_rounded<T>(a0, a1);
+        } else {
+          rs_block_product<T, D>(dq_flat, dsa, k_desc);
         }
       }
-      if (!EXACT && p.status != nullptr && __any_sync(0xffffffffu, nonfinite) && lane == 0) *p.status = 1;
+      ring.template end_block<HOLD_DQ>(b < my_end, sm.empty, tid);
+    };
+    // The blocks without a masked score, then those with: two loops, so that the first carries
+    // no per-score mask selects (as the forward's); the bound warp-uniform to the compiler. The
+    // EXACT kernel keeps one loop (no registers to spare for two copies).
+    if constexpr (EXACT) {
+      for (int b = 0; b < num_blocks; ++b) block(b, b >= mask_from);
+    } else {
+      const int unmasked_end = uniform(mask_from < num_blocks ? mask_from : num_blocks);
+      int b = 0;
+      for (; b < unmasked_end; ++b) block(b, false);
+      for (; b < num_blocks; ++b) block(b, true);
     }
+    if constexpr (HOLD_DQ) {
+      ring.drain(sm.empty, tid);
+      fence_accumulators(dq_flat);
+    }
+    if (!active) continue;
+
+    bool nonfinite = false;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = warp_row0 + g + 8 * hh;
+      if (row >= rows) continue;
+      const int64_t i = row / group, h = static_cast<int64_t>(kv_head) * group + row % group;
+      T* dq_row = dq + sq.q_base + i * p.q_stride_token + h * p.q_stride_head + 2 * t;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const float a0 = __fmul_rn(dq_acc[0][dn][2 * hh], p.scale), a1 = __fmul_rn(dq_acc[0][dn][2 * hh + 1], p.scale);
+        nonfinite |= either_nonfinite(a0, a1);
+        *reinterpret_cast<uint32_t*>(dq_row + dn * 8) = pack_rounded<T>(a0, a1);
+      }
+    }
+    if (!EXACT && p.status != nullptr && __any_sync(0xffffffffu, nonfinite) && lane == 0) *p.status = 1;
   }
 #endif  // RL_ALIGN_SM90A_DEVICE
 }
@@ -1059,12 +1073,10 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Attenti
     constexpr bool EXACT = decltype(exact_tag)::value, ORDERED_DQ = decltype(ordered_tag)::value;
     using KCfg = std::conditional_t<ORDERED_DQ, OrderedCfg, Cfg>;
     constexpr int kSmem = EXACT ? KCfg::EXACT_SMEM_BYTES : ORDERED_DQ ? KCfg::ORDERED_SMEM_BYTES : KCfg::SMEM_BYTES;
-    // The kernels walk sequences and tiles grid-stride, except the ordered one (a CTA per item).
-    // The EXACT launch mostly finds nothing to do (the status word is 0): a small grid keeps it
-    // to a few microseconds.
-    const dim3 grid = ORDERED_DQ ? dim3(static_cast<unsigned>(p.heads_kv * p.num_seqs * key_tiles))
-                                 : dim3(static_cast<unsigned>(p.heads_kv), capped(p.num_seqs, EXACT ? 16 : 65535),
-                                        EXACT ? 1u : capped(key_tiles, 65535));
+    // A CTA per item (bwd_item), grid-stride past INT32_MAX; the ordered kernel's items fit (a
+    // CTA each). The EXACT launch mostly finds nothing to do (the status word is 0): a small grid
+    // keeps it to a few microseconds.
+    const dim3 grid(capped(bwd_items(p, key_tiles), EXACT ? 16 * p.heads_kv : INT32_MAX));
     auto kernel = attention_bwd_dkdv_sm90_kernel<T, KCfg, EXACT, ORDERED_DQ>;
     static std::atomic<uint64_t> raised{0};
     const gpuError_t e = allow_dynamic_smem(kernel, kSmem, raised);
@@ -1076,8 +1088,7 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Attenti
   auto dq = [&](auto exact_tag) -> gpuError_t {
     constexpr bool EXACT = decltype(exact_tag)::value;
     constexpr int kSmem = EXACT ? Cfg::EXACT_SMEM_BYTES : Cfg::SMEM_BYTES;
-    const dim3 grid(static_cast<unsigned>(p.heads_kv), capped(p.num_seqs, EXACT ? 16 : 65535),
-                    EXACT ? 1u : capped(ceil_div(p.max_q_len * group, static_cast<int64_t>(Cfg::ROWS)), 65535));
+    const dim3 grid(capped(bwd_items(p, ceil_div(p.max_q_len * group, Cfg::ROWS)), EXACT ? 16 * p.heads_kv : INT32_MAX));
     auto kernel = attention_bwd_dq_sm90_kernel<T, Cfg, EXACT>;
     static std::atomic<uint64_t> raised{0};
     const gpuError_t e = allow_dynamic_smem(kernel, kSmem, raised);
