@@ -683,14 +683,15 @@ def test_sm90_ordered_dq_gives_the_recompute_bits(monkeypatch, dtype, head_dim, 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dq_mode", ["ordered", "recompute"])
 @pytest.mark.parametrize("num_seqs", [16, 17, 33])
-def test_sm90_backward_work_chunks(monkeypatch, num_seqs, dq_mode):
-    """The sm90 backward kernels take their items (kv head, sequence, tile) in chunks of 16
-    (kv head, sequence) pairs (kBwdPairsPerChunk, csrc/cuda/attention/sm90_bwd.cu): one whole chunk,
-    one pair past it, two chunks and one pair. Sequences of 1 to 300 keys leave the items past a
-    sequence's last tile empty. dq, dk and dv of both dQ modes equal forced sm80's bit for bit: an
-    item taken twice, or by no CTA, would not (packed, causal, bf16 d128, one kv head)."""
+def test_sm90_backward_work_sections(monkeypatch, num_seqs, dq_mode):
+    """The sm90 backward's recompute kernels take their items (kv head, sequence, tile) in sections
+    of 16 (kv head, sequence) pairs (kBwdPairsPerSection, csrc/cuda/attention/sm90_bwd.cu): one
+    whole section, one pair past it, two sections and one pair; the ordered dQ's kernel takes one
+    section of every pair. Sequences of 1 to 300 keys leave the items past a sequence's last tile
+    empty. dq, dk and dv equal forced sm80's bit for bit: an item taken twice, or by no CTA, would
+    not (packed, causal, bf16 d128, one kv head)."""
     if not _on_hopper():
-        pytest.skip("the work chunks are the sm90 backward's (compute capability 9.0)")
+        pytest.skip("the work sections are the sm90 backward's (compute capability 9.0)")
     monkeypatch.setenv(DQ_ENV, dq_mode)
     lengths = [(1, 300, 65, 129, 200)[i % 5] for i in range(num_seqs)]
     _assert_packed_default_is_sm80(monkeypatch, _sequences(lengths, 2, 1, 128, torch.bfloat16, "cuda"), True)

@@ -346,34 +346,17 @@ __device__ __forceinline__ void load_q_do_swizzled(uint8_t* q_dst, uint8_t* do_d
 }
 #endif
 
-// The backward kernels' work items: (kv head, sequence, tile) for every pair of a kv head and a
-// sequence and every tile of it (key tiles for dK/dV, row tiles for dQ; tile 0 the heaviest). A CTA
-// takes items blockIdx.x, + gridDim.x, ... (the ordered dQ's: the one its ticket names). They run in
-// chunks of `chunk` pairs, tile-major inside a chunk, kv head fastest. The recompute's kernels take
-// kBwdPairsPerChunk, so that the CTAs running at once share a few pairs' Q / dO (dK/dV) or K / V
-// (dQ) streams in L2: tile-major over every pair had each stream read by about two of them at
-// 8 x 4096 (H200: fwd+bwd 0.81 -> 0.86 of cuDNN), and chunks of 4 or 8 pairs lose the
-// heaviest-first order at 8 x 1024. The ordered dQ takes one chunk of every pair: its tile t waits
-// for the same pair's tile t - 1 (which comes first in any chunking, as its tickets need), and 16
-// pairs put the two so close in launch order that they run in lockstep (8 x 1024: 0.95 -> 0.68 of
-// the recompute's speed). The order is scheduling only; each item's arithmetic is the same
-// whichever CTA takes it.
-constexpr int64_t kBwdPairsPerChunk = 16;
-struct BwdItem {
-  int kv_head;
-  int64_t seq;
-  int tile;
-};
-__host__ __device__ inline int64_t bwd_items(const AttentionProblem& p, int64_t tiles) {
-  return p.heads_kv * p.num_seqs * tiles;
-}
-__host__ __device__ inline BwdItem bwd_item(int64_t item, const AttentionProblem& p, int64_t tiles, int64_t chunk) {
-  const int64_t pairs = p.heads_kv * p.num_seqs;
-  const int64_t first = item / (chunk * tiles) * chunk;  // the chunk's first pair
-  const int64_t n = pairs - first < chunk ? pairs - first : chunk;
-  const int64_t r = item - first * tiles, pair = first + r % n;
-  return BwdItem{static_cast<int>(pair % p.heads_kv), pair / p.heads_kv, static_cast<int>(r / n)};
-}
+// The backward kernels' work items: TileOrder's tiles, y the kv head, the visits a sequence's key
+// tiles (dK/dV) or row tiles (dQ). A CTA takes items blockIdx.x, + gridDim.x, ... (the ordered dQ's:
+// the one its ticket names). The recompute's kernels take sections of kBwdPairsPerSection pairs:
+// tile-major over every pair (one section) had each pair's Q / dO (dK/dV) or K / V (dQ) stream read
+// by about two of the running CTAs at 8 x 4096 (H200: fwd+bwd 0.81 -> 0.86 of cuDNN with 16), and
+// sections of 4 or 8 pairs lose the heaviest-first order at 8 x 1024 (the forward's rule, sections
+// of K / V taking 20 MB of L2, would give 2 pairs for dK/dV's Q / dO at 4096). The ordered dQ takes
+// one section: its tile t waits for the same pair's tile t - 1 (which comes first in any section,
+// as its tickets need), and 16 pairs put the two so close in launch order that they run in
+// lockstep (8 x 1024: 0.95 -> 0.68 of the recompute's speed).
+constexpr int64_t kBwdPairsPerSection = 16;
 
 // ------------------------------------------------------------------------------------------------
 // dK / dV
@@ -391,7 +374,7 @@ __host__ __device__ inline BwdItem bwd_item(int64_t item, const AttentionProblem
 // bits are too. Two producer warps keep the turns off the consumers' path: the loader waits for the
 // block's turn (w.turns reaching t) and TMA-loads the sums; the releaser advances the turn once the
 // consumers have stored theirs. A CTA takes its item from a ticket drawn when it starts, in
-// bwd_item's order (a pair's tile t - 1 before its tile t), so every tile it waits for belongs to a
+// TileOrder's (a pair's tile t - 1 before its tile t), so every tile it waits for belongs to a
 // CTA that started before it: no wait on a CTA that cannot be scheduled.
 template <typename T, typename Cfg, bool EXACT, bool ORDERED_DQ>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
@@ -420,10 +403,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   uint8_t* acc_tile = sm.scratch + Cfg::DS_BYTES;  // the ordered dQ's sums of the earlier key tiles
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  // This CTA's items (bwd_item): the one its ticket names (ORDERED_DQ), else grid-stride.
-  const int64_t tiles = ceil_div(p.max_kv_len, KEYS), items = bwd_items(p, tiles);
-  const int64_t chunk = ORDERED_DQ ? p.heads_kv * p.num_seqs : kBwdPairsPerChunk;
-  const int64_t item0 = ORDERED_DQ ? ticket : blockIdx.x, item_step = ORDERED_DQ ? items : gridDim.x;
+  // This CTA's items (TileOrder): the one its ticket names (ORDERED_DQ), else grid-stride.
+  const TileOrder order = TileOrder::over(p.num_seqs, p.heads_kv, ceil_div(p.max_kv_len, KEYS),
+                                          ORDERED_DQ ? p.heads_kv * p.num_seqs : kBwdPairsPerSection);
+  const int64_t item0 = ORDERED_DQ ? ticket : blockIdx.x, item_step = ORDERED_DQ ? order.total : gridDim.x;
   // Key tile `tile` of a sequence, the same for both roles: keys key0 .. key0 + KEYS - 1, seen by
   // the query blocks first_qb .. first_qb + q_blocks - 1 of each head (causal: none before).
   struct KeyTile {
@@ -450,10 +433,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       // alone: a lane left behind by one that spins on the turn could miss a phase of acc_empty.
       if (lane != 0) return;
       uint32_t phase = 0;
-      for (int64_t item = item0; item < items; item += item_step) {
-        const BwdItem wi = bwd_item(item, p, tiles, chunk);
-        const int kv_head = wi.kv_head, tile = wi.tile;
-        const AttentionSeq sq = attention_seq(p, wi.seq);
+      for (int64_t item = item0; item < order.total; item += item_step) {
+        const TileRef ref = order.at(item);
+        const int kv_head = ref.y, tile = ref.visit;
+        const AttentionSeq sq = attention_seq(p, ref.seq);
         const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
         const int first_pos = kv_len - q_len;
         const int key_tiles = (kv_len + KEYS - 1) / KEYS;
@@ -494,10 +477,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     PairRingProducer<STAGES, Cfg::D_BOXES> qdo_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                     sm.full, sm.empty, sm.tail};
     uint32_t kv_phase = 0;
-    for (int64_t item = item0; item < items; item += item_step) {
-      const BwdItem wi = bwd_item(item, p, tiles, chunk);
-      const int kv_head = wi.kv_head, tile = wi.tile;
-      const AttentionSeq sq = attention_seq(p, wi.seq);
+    for (int64_t item = item0; item < order.total; item += item_step) {
+      const TileRef ref = order.at(item);
+      const int kv_head = ref.y, tile = ref.visit;
+      const AttentionSeq sq = attention_seq(p, ref.seq);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
       const int first_pos = kv_len - q_len;
       if (q_len <= 0 || tile >= (kv_len + KEYS - 1) / KEYS) continue;
@@ -544,10 +527,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   int ds_buffer = 0;
   uint32_t kv_phase = 0, acc_phase = 0;
 
-  for (int64_t item = item0; item < items; item += item_step) {
-    const BwdItem wi = bwd_item(item, p, tiles, chunk);
-    const int kv_head = wi.kv_head, tile = wi.tile;
-    const AttentionSeq sq = attention_seq(p, wi.seq);
+  for (int64_t item = item0; item < order.total; item += item_step) {
+    const TileRef ref = order.at(item);
+    const int kv_head = ref.y, tile = ref.visit;
+    const AttentionSeq sq = attention_seq(p, ref.seq);
     const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
     const int first_pos = kv_len - q_len;
     const int key_tiles = (kv_len + KEYS - 1) / KEYS;
@@ -800,7 +783,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   sm.template init_barriers<EXACT, false>();
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  const int64_t tiles_max = ceil_div(p.max_q_len * group, ROWS), items = bwd_items(p, tiles_max);
+  const TileOrder order = TileOrder::over(p.num_seqs, p.heads_kv, ceil_div(p.max_q_len * group, ROWS), kBwdPairsPerSection);
   // Visit `visit` of a sequence's row tiles (heaviest first), the same for both roles: rows
   // row0 .. row0 + ROWS - 1 of its q_len * G, and the key blocks [0, num_blocks) its last row sees.
   struct RowTile {
@@ -818,16 +801,16 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int lane = static_cast<int>(threadIdx.x);
     PairRingProducer<STAGES, Cfg::D_BOXES> kv_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                    sm.full, sm.empty, sm.tail};
-    for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-      const BwdItem wi = bwd_item(item, p, tiles_max, kBwdPairsPerChunk);
-      const int visit = wi.tile;
-      const AttentionSeq sq = attention_seq(p, wi.seq);
+    for (int64_t item = blockIdx.x; item < order.total; item += gridDim.x) {
+      const TileRef ref = order.at(item);
+      const int visit = ref.visit;
+      const AttentionSeq sq = attention_seq(p, ref.seq);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
       const int rows = q_len * group, tiles = (rows + ROWS - 1) / ROWS;
       const int first_pos = kv_len - q_len;
       if (q_len <= 0 || visit >= tiles) continue;
       int kv_c1, kv_c2;
-      kv_at.coords(sq.kv_base, wi.kv_head, 0, kv_c1, kv_c2);
+      kv_at.coords(sq.kv_base, ref.y, 0, kv_c1, kv_c2);
       const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
       for (int b = 0; b < num_blocks; ++b) {
         const int key0 = b * kTileRows;
@@ -852,10 +835,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   constexpr bool HOLD_DQ = !EXACT;
   ConsumerRing<STAGES, EXACT> ring;
 
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const BwdItem wi = bwd_item(item, p, tiles_max, kBwdPairsPerChunk);
-    const int kv_head = wi.kv_head, visit = wi.tile;
-    const AttentionSeq sq = attention_seq(p, wi.seq);
+  for (int64_t item = blockIdx.x; item < order.total; item += gridDim.x) {
+    const TileRef ref = order.at(item);
+    const int kv_head = ref.y, visit = ref.visit;
+    const AttentionSeq sq = attention_seq(p, ref.seq);
     const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
     const int rows = q_len * group, tiles = (rows + ROWS - 1) / ROWS;
     const int first_pos = kv_len - q_len;
@@ -1073,10 +1056,10 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Attenti
     constexpr bool EXACT = decltype(exact_tag)::value, ORDERED_DQ = decltype(ordered_tag)::value;
     using KCfg = std::conditional_t<ORDERED_DQ, OrderedCfg, Cfg>;
     constexpr int kSmem = EXACT ? KCfg::EXACT_SMEM_BYTES : ORDERED_DQ ? KCfg::ORDERED_SMEM_BYTES : KCfg::SMEM_BYTES;
-    // A CTA per item (bwd_item), grid-stride past INT32_MAX; the ordered kernel's items fit (a
+    // A CTA per item (TileOrder), grid-stride past INT32_MAX; the ordered kernel's items fit (a
     // CTA each). The EXACT launch mostly finds nothing to do (the status word is 0): a small grid
     // keeps it to a few microseconds.
-    const dim3 grid(capped(bwd_items(p, key_tiles), EXACT ? 16 * p.heads_kv : INT32_MAX));
+    const dim3 grid(capped(p.heads_kv * p.num_seqs * key_tiles, EXACT ? 16 * p.heads_kv : INT32_MAX));
     auto kernel = attention_bwd_dkdv_sm90_kernel<T, KCfg, EXACT, ORDERED_DQ>;
     static std::atomic<uint64_t> raised{0};
     const gpuError_t e = allow_dynamic_smem(kernel, kSmem, raised);
@@ -1088,7 +1071,8 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Attenti
   auto dq = [&](auto exact_tag) -> gpuError_t {
     constexpr bool EXACT = decltype(exact_tag)::value;
     constexpr int kSmem = EXACT ? Cfg::EXACT_SMEM_BYTES : Cfg::SMEM_BYTES;
-    const dim3 grid(capped(bwd_items(p, ceil_div(p.max_q_len * group, Cfg::ROWS)), EXACT ? 16 * p.heads_kv : INT32_MAX));
+    const dim3 grid(capped(p.heads_kv * p.num_seqs * ceil_div(p.max_q_len * group, Cfg::ROWS),
+                           EXACT ? 16 * p.heads_kv : INT32_MAX));
     auto kernel = attention_bwd_dq_sm90_kernel<T, Cfg, EXACT>;
     static std::atomic<uint64_t> raised{0};
     const gpuError_t e = allow_dynamic_smem(kernel, kSmem, raised);

@@ -76,6 +76,37 @@ struct OperandMap {
   }
 };
 
+// The order in which a CTA takes its tiles (one per CTA, or a grid walking them): a tile is
+// (visit, pair), pair = (sequence, y), y fastest (the forward: y = kv head (+ heads_kv * split),
+// the visits its row tiles; the backward: y = kv head, the visits its key or row tiles); visit 0
+// is a sequence's heaviest (causal). Pairs go in sections of pairs_per_section; within a section
+// the heaviest tiles of every pair come first (longest job first), so that the CTAs running at
+// once share their sections' streams in L2. Scheduling only: no bit depends on it.
+struct TileRef {
+  int64_t seq;  // < 0: past the order's end
+  int visit, y;
+};
+struct TileOrder {
+  int64_t tiles_max = 0;  // visits of the longest sequence
+  int64_t grid_y = 0;     // y per sequence
+  int64_t pairs = 0;      // num_seqs * grid_y
+  int64_t pairs_per_section = 1;
+  int64_t total = 0;      // pairs * tiles_max
+  __host__ __device__ static TileOrder over(int64_t num_seqs, int64_t grid_y, int64_t tiles_max, int64_t pairs_per_section) {
+    const int64_t pairs = num_seqs * grid_y;
+    return TileOrder{tiles_max, grid_y, pairs, pairs_per_section < 1 ? 1 : pairs_per_section > pairs ? pairs : pairs_per_section,
+                     pairs * tiles_max};
+  }
+  __host__ __device__ TileRef at(int64_t t) const {
+    if (t >= total) return TileRef{-1, 0, 0};
+    const int64_t section_tiles = pairs_per_section * tiles_max;
+    const int64_t first_pair = t / section_tiles * pairs_per_section, r = t % section_tiles;
+    const int64_t n_pairs = pairs - first_pair < pairs_per_section ? pairs - first_pair : pairs_per_section;
+    const int64_t pair = first_pair + r % n_pairs;
+    return TileRef{pair / grid_y, static_cast<int>(r / n_pairs), static_cast<int>(pair % grid_y)};
+  }
+};
+
 // Why an operand (token/head strides, `heads`, `elements`, dim 0's `stride_outer`:
 // AttentionProblem) cannot be addressed as OperandMap says, or nullptr where it can (then *info
 // says how): every sequence base a whole number of tokens (stride_outer a multiple of the token

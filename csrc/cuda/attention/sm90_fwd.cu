@@ -114,31 +114,6 @@ enum class SplitMode : int {
                   // several splits go to the workspace, the combine kernel merges them
 };
 
-// The order in which a CTA takes its tiles (one per CTA, or a persistent grid walking them): a
-// tile is (visit, pair), pair = (sequence, y) with y = kv head (+ heads_kv * split); visit 0 is
-// a sequence's last (heaviest, causal) row tile. Pairs go in sections of pairs_per_section whose
-// K/V fit in L2 together; within a section the heaviest tiles of every pair come first (longest
-// job first). Scheduling only: no bit depends on it.
-struct TileRef {
-  int64_t seq;  // < 0: past the order's end
-  int visit, y;
-};
-struct TileOrder {
-  int64_t tiles_max = 0;  // row tiles of the longest sequence
-  int64_t grid_y = 0;     // kv heads (x splits)
-  int64_t pairs = 0;      // num_seqs * grid_y
-  int64_t pairs_per_section = 1;
-  int64_t total = 0;      // pairs * tiles_max
-  __device__ TileRef at(int64_t t) const {
-    if (t >= total) return TileRef{-1, 0, 0};
-    const int64_t section_tiles = pairs_per_section * tiles_max;
-    const int64_t first_pair = t / section_tiles * pairs_per_section, r = t % section_tiles;
-    const int64_t n_pairs = pairs - first_pair < pairs_per_section ? pairs - first_pair : pairs_per_section;
-    const int64_t pair = first_pair + r % n_pairs;
-    return TileRef{pair / grid_y, static_cast<int>(r / n_pairs), static_cast<int>(pair % grid_y)};
-  }
-};
-
 enum class TileStep : int { kDone, kEmpty, kWork };
 
 // Named barriers: 1 + c: consumer c's own 128 threads; 3 + c: ping-pong turn of consumer c.
@@ -914,15 +889,12 @@ gpuError_t launch_kernel(DType dtype, const AttentionProblem& p, const Attention
     return cudaErrorInvalidValue;
   }
   const int64_t group = p.heads_q / p.heads_kv;
-  TileOrder order;
-  order.tiles_max = ceil_div(p.max_q_len * group, static_cast<int64_t>(Cfg::BLOCK_M));
-  order.grid_y = MODE == SplitMode::kPerSplit ? p.heads_kv * attention_split_count(p) : p.heads_kv;
-  order.pairs = p.num_seqs * order.grid_y;
-  order.total = order.pairs * order.tiles_max;
   // Sections of pairs whose K/V (one kv head of one sequence each) take about 20 MB of L2.
   const int64_t kv_pair_bytes = 2 * p.max_kv_len * p.head_dim * 2;
-  const int64_t pps = (int64_t{20} << 20) / (kv_pair_bytes > 0 ? kv_pair_bytes : 1);
-  order.pairs_per_section = pps < 1 ? 1 : pps > order.pairs ? order.pairs : pps;
+  const TileOrder order = TileOrder::over(
+      p.num_seqs, MODE == SplitMode::kPerSplit ? p.heads_kv * attention_split_count(p) : p.heads_kv,
+      ceil_div(p.max_q_len * group, static_cast<int64_t>(Cfg::BLOCK_M)),
+      (int64_t{20} << 20) / (kv_pair_bytes > 0 ? kv_pair_bytes : 1));
   // One wave where the CTAs claim their tiles (DYNAMIC_TILES); the EXACT launch mostly finds
   // nothing to do: one wave keeps it to a few microseconds.
   const int64_t wave = static_cast<int64_t>(multiprocessor_count(current_device())) * Cfg::MIN_BLOCKS;
