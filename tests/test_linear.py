@@ -200,10 +200,10 @@ def test_each_gpu_path(monkeypatch, path, dtype_):
 
 # The sm90 tile configurations (csrc/cuda/linear_kernels.h), forced through
 # RL_ENGINE_EXT_SM90_GEMM_CONFIG. An MN-major B (grad input, grad weight) is loaded in whole 64-column
-# rows of the 128-byte swizzle or as one 32-column tile of the 64-byte swizzle (decode32), so the
-# 48-column tiles and the 96-column multicast slices cannot take it.
+# rows of the 128-byte swizzle, so the 32- and 48-column tiles and the 96-column multicast slices
+# cannot take it.
 SM90_CONFIGS = ["decode32", "decode48", "decode64", "medium", "medium_pair", "wide_pair", "large"]
-SM90_CONFIGS_K_MAJOR_B_ONLY = {"decode48", "wide_pair"}
+SM90_CONFIGS_K_MAJOR_B_ONLY = {"decode32", "decode48", "wide_pair"}
 
 
 @pytest.mark.cuda

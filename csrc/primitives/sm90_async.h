@@ -124,15 +124,14 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       : "memory");
 }
 
-// Shared-memory matrix descriptor, 128-byte swizzle (or 64-byte, `swizzle_64b`: rows of 64 bytes).
-// K-major tiles: rows of 128 bytes, 8-row groups `stride` apart (LBO unused). MN-major tiles:
-// swizzle-row-wide chunks of the M/N dimension `leading` bytes apart, 8-row groups of k `stride`
-// apart. Bits 62-63 are the layout: 1 = 128-byte swizzle, 2 = 64-byte.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading, uint32_t stride,
-                                              bool swizzle_64b = false) {
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major tiles: rows of 128 bytes, 8-row
+// groups `stride` apart (LBO unused). MN-major tiles: 64-element chunks of the M/N dimension
+// `leading` bytes apart, 8-row groups of k `stride` apart. Bits 62-63 are the layout (1: the
+// 128-byte swizzle).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading, uint32_t stride) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>((leading & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((stride & 0x3FFFF) >> 4) << 32) | ((swizzle_64b ? 2ull : 1ull) << 62);
+         (static_cast<uint64_t>((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 // smem_desc(addr + offset, ..) from smem_desc(addr, ..), for an offset (a multiple of 16) that
 // keeps the address below 256 KB: only the low word's address field moves, and never carries into

@@ -60,20 +60,17 @@ struct Sm90Config {
 };
 
 // An MN-major B is loaded in whole 64-column rows of the 128-byte swizzle, per multicast slice
-// too; or, as one 32-column tile (no multicast), in 64-byte rows of the 64-byte swizzle, so that a
-// decode-size grad input has as many column tiles as the forward's (twice the CTAs streaming W).
-template <typename Cfg, bool B_MN>
-__host__ __device__ constexpr bool b_swizzle_64b() {
-  return B_MN && Cfg::BN == 32 && Cfg::CLUSTER == 1;
-}
+// too. (A 32-column tile in the 64-byte swizzle, twice the CTAs streaming a decode-size grad
+// input's weight, ran slower than the 14-deep 64-column tile on every Qwen3-8B shape at M = 1 and
+// 64: benchmarks/results/linear_tiles_decode_h200.csv, decode32 against decode64_deep.)
 template <typename Cfg, bool B_MN>
 __host__ __device__ constexpr bool config_takes_layout() {
-  return !B_MN || (Cfg::BN / Cfg::CLUSTER) % 64 == 0 || b_swizzle_64b<Cfg, B_MN>();
+  return !B_MN || (Cfg::BN / Cfg::CLUSTER) % 64 == 0;
 }
 
 // Decode (m <= 64): narrow column tiles so that enough CTAs stream the weight, and a deep ring so
 // that enough of it is in flight; the K-major weight allows 32 or 48 columns, an MN-major one 64
-// (a whole row of the 128-byte swizzle) or 32 (b_swizzle_64b). The 64-column tile takes the
+// (a whole row of the 128-byte swizzle). The 64-column tile takes the
 // ring's 14 stages that fit in shared memory (8 KB of the weight each, 112 KB in flight per CTA):
 // with 8 stages a decode-size grad input took 3-21% longer (H200, issue-36 run 55).
 using DecodeConfig = Sm90Config<64, 32, 16>;
@@ -121,9 +118,9 @@ constexpr int kTileGroupM = 8;  // tile order: 8 row-tiles share each column swe
 
 // Byte offset of k16 chunk `s` in a k-block tile: 16 elements = 32 bytes along a K-major row; 16
 // rows of 128 bytes down an MN-major tile.
-template <bool MN_MAJOR, int ROW_BYTES = kSwizzleRowBytes>
+template <bool MN_MAJOR>
 __device__ __forceinline__ uint32_t chunk_offset(int s) {
-  return MN_MAJOR ? s * kMmaK * ROW_BYTES : s * kMmaK * 2;
+  return MN_MAJOR ? s * kMmaK * kSwizzleRowBytes : s * kMmaK * 2;
 }
 
 __device__ __forceinline__ void tile_coords(int tile, int tiles_m, int tiles_n, int& mt, int& nt) {
@@ -257,7 +254,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
                             int n, int k, uint32_t stage_tx_bytes, int leaves, Sm90Groups groups) {
 #ifdef RL_ALIGN_SM90A_DEVICE
   constexpr int BM = Cfg::BM, BN = Cfg::BN, STAGES = Cfg::STAGES, CLUSTER = Cfg::CLUSTER;
-  constexpr bool kBSwizzle64 = b_swizzle_64b<Cfg, B_MN>();
   static_assert(GROUP == GroupMode::kNone || (CLUSTER == 1 && !TREE), "grouped tiles: no multicast, no tree");
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -364,9 +360,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
               tma_load_2d(b_stage(stage) + offset, &tma_b, &full[stage], inner, outer);
             }
           };
-          if constexpr (kBSwizzle64) {
-            load_b(0, t.nt * BN, k0);
-          } else if constexpr (B_MN) {
+          if constexpr (B_MN) {
             for (int c = rank * kSlice / 64; c < (rank + 1) * kSlice / 64; ++c)
               load_b(c * kBlockK * kSwizzleRowBytes, t.nt * BN + c * 64, k0);
           } else {
@@ -438,17 +432,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           mbar_wait(&full[stage], phase);
           // The stage's descriptors; each k16 chunk's is an offset from them (smem_desc_at).
           const uint64_t a_desc = smem_desc(smem_addr(a_stage(stage)) + a_offset, kMnChunkBytes, kSwizzleAtomBytes);
-          const uint32_t b_base = smem_addr(b_stage(stage));
-          const uint64_t b_desc = kBSwizzle64
-                                      ? smem_desc(b_base, kMnChunkBytes / 2, kSwizzleAtomBytes / 2, true)
-                                      : smem_desc(b_base, kMnChunkBytes, kSwizzleAtomBytes);
+          const uint64_t b_desc = smem_desc(smem_addr(b_stage(stage)), kMnChunkBytes, kSwizzleAtomBytes);
           wgmma_fence();
           // The k16 chunks go in increasing k: this order is the invariance contract.
 #pragma unroll
           for (int s = 0; s < kBlockK / kMmaK; ++s) {
             Wgmma<BN, T>::template mma<A_MN ? 1 : 0, B_MN ? 1 : 0>(
                 d, smem_desc_at(a_desc, chunk_offset<A_MN>(s)),
-                smem_desc_at(b_desc, kBSwizzle64 ? chunk_offset<true, kSwizzleRowBytes / 2>(s) : chunk_offset<B_MN>(s)),
+                smem_desc_at(b_desc, chunk_offset<B_MN>(s)),
                 !fresh || kb > kb_begin || s > 0);
           }
           wgmma_commit();
@@ -574,21 +565,18 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
 // range rows and columns read as zeros. groups > 1: `groups` such matrices group_stride elements
 // apart, a 3-D map read one group at a time (each group's rows zero-filled past its own end).
 bool encode_operand(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int64_t outer,
-                    int64_t ld, int box_outer, int64_t groups = 1, int64_t group_stride = 0,
-                    bool swizzle_64b = false) {
+                    int64_t ld, int box_outer, int64_t groups = 1, int64_t group_stride = 0) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer),
                               static_cast<cuuint64_t>(groups)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld) * 2, static_cast<cuuint64_t>(group_stride) * 2};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(swizzle_64b ? kBlockK / 2 : kBlockK),
-                             static_cast<cuuint32_t>(box_outer), 1};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_outer), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult r = encode(
       map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
       groups > 1 ? 3 : 2, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      swizzle_64b ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
@@ -616,8 +604,7 @@ gpuError_t launch_sm90(DType dtype, const GemmProblem& p, gpuStream_t stream) {
                          : encode_operand(&map_a, dtype, p.a, p.k, p.m, p.lda, a_rows);
   // kRows: B is the groups' matrices, a 3-D map.
   const int64_t b_groups = GROUP == GroupMode::kRows ? p.groups : 1;
-  const bool ok_b = B_MN ? encode_operand(&map_b, dtype, p.b, p.n, p.k, p.ldb, kBlockK, b_groups, p.b_group_stride,
-                                          b_swizzle_64b<Cfg, B_MN>())
+  const bool ok_b = B_MN ? encode_operand(&map_b, dtype, p.b, p.n, p.k, p.ldb, kBlockK, b_groups, p.b_group_stride)
                          : encode_operand(&map_b, dtype, p.b, p.k, p.n, p.ldb, Cfg::BN / Cfg::CLUSTER, b_groups,
                                           p.b_group_stride);
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
