@@ -880,10 +880,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int my_end = !active ? 0 : p.causal ? my_last_pos / kTileRows + 1 : num_blocks;
     const int my_first_pos = first_pos + my_row0 / group;
 
-    // A warp's blocks with masked scores (causal: past its first row's position; past kv_len)
-    // are those from mask_from on.
-    const int tail_from = kv_len / kTileRows, causal_from = (warp_first_pos + 1) / kTileRows;
-    const int mask_from = p.causal && causal_from < tail_from ? causal_from : tail_from;
+    const int mask_from = first_masked_block(kv_len, warp_first_pos, p.causal);
     auto block = [&](int b, bool masked) {
       const int stage = ring.stage;
       mbar_wait(&sm.full[stage], ring.phase);
@@ -980,7 +977,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     if constexpr (EXACT) {
       for (int b = 0; b < num_blocks; ++b) block(b, b >= mask_from);
     } else {
-      const int unmasked_end = uniform(mask_from < num_blocks ? mask_from : num_blocks);
+      const int unmasked_end = uniform(min(mask_from, num_blocks));
       int b = 0;
       for (; b < unmasked_end; ++b) block(b, false);
       for (; b < num_blocks; ++b) block(b, true);

@@ -155,6 +155,14 @@ inline bool encode_operand_map(CUtensorMap* map, const OperandMap& info, DType d
 }
 
 #ifdef RL_ALIGN_SM90A_DEVICE
+// The first key block (64 keys) in which a warp's rows, the first of them at position first_pos,
+// have keys to mask: past kv_len (blocks from kv_len / 64 on), or causal, past the first row's
+// position (b * 64 + 63 > first_pos). The blocks before it take no per-score mask select.
+__device__ __forceinline__ int first_masked_block(int kv_len, int first_pos, bool causal) {
+  const int tail_from = kv_len / kBoxRows, causal_from = (first_pos + 1) / kBoxRows;
+  return causal && causal_from < tail_from ? causal_from : tail_from;
+}
+
 // Where a GQA-packed row (row = query * group + head in group, as the kernels pack a kv head's
 // query rows) lives in a [token, head] operand: `at`, the element offset of its (query,
 // kv_head * group + head in group) from the sequence's base, stepped from row to row without a

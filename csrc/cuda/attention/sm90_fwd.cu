@@ -694,11 +694,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
       // The block recurrence on `score` (block b): m, l updated, scores turned into p; acc * alpha
       // once no P V that reads acc is in flight (the caller's order).
       float row_alpha[1][2];
-      // The warp's rows have keys to mask from block mask_from on: past kv_len (b >= kv_len / 64),
-      // or causal, past the first row's position (b 64 + 63 > warp_first_pos).
-      const int tail_from = kv_len / kKvBlock, causal_from = (warp_first_pos + 1) / kKvBlock;
-      const int mask_from = p.causal && causal_from < tail_from ? causal_from : tail_from;
       // masked: b >= mask_from, a constant in each of the steady loops below.
+      const int mask_from = first_masked_block(kv_len, warp_first_pos, p.causal);
       auto softmax = [&](int b, bool masked) {
         return softmax_block<SCALE_NONNEG>(score, row_max, row_sum, row_alpha, row_last_key, b * kKvBlock + 2 * t,
                                            masked, scale_log2);
