@@ -183,15 +183,18 @@ struct BwdSmem {
 };
 
 // acc += A B over the 4 k16 chunks of a 64-row block in increasing k (A in registers, B the
-// MN-major tile of descriptor b_tile), issued and waited for.
-template <typename T, int D>
+// MN-major tile of descriptor b_tile), issued; waited for here, or, HOLD, at the ring's next wait
+// (ConsumerRing).
+template <typename T, int D, bool HOLD = false>
 __device__ __forceinline__ void rs_block_product(float (&acc)[D / 2], const uint32_t (&a)[4][4], uint64_t b_tile) {
   wgmma_fence();
 #pragma unroll
   for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(acc, a[kc], mn_chunk(b_tile, kc), 1);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_accumulators(acc);
+  if constexpr (!HOLD) {
+    wgmma_wait<0>();
+    fence_accumulators(acc);
+  }
 }
 
 // The ordered dQ's turn counters: read with acquire, advanced with release (gpu scope), so the
@@ -694,13 +697,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         for (int kc = 0; kc < 4; ++kc) c_to_a<T>(pa[kc], dpt[0][2 * kc], dpt[0][2 * kc + 1]);
         if (cuts) {
           by_cuts(dk_flat, pa, q_stage(stage));
-        } else if constexpr (HOLD_DK) {
-          wgmma_fence();
-#pragma unroll
-          for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dk_flat, pa[kc], mn_chunk(q_desc, kc), 1);
-          wgmma_commit();
         } else {
-          rs_block_product<T, D>(dk_flat, pa, q_desc);
+          rs_block_product<T, D, HOLD_DK>(dk_flat, pa, q_desc);
         }
         if constexpr (ORDERED_DQ) {
           // dS^T as dQ's A operand (queries x keys) stored MN-major: row = key, the 64 queries
@@ -960,13 +958,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             rs_product_by_cuts<T, D, true>(dq_flat, ak, k_stage(stage) + 16 * kc * 128, kBoxBytes, scratch, count,
                                            tid, kConsumerBar + consumer);
           }
-        } else if constexpr (HOLD_DQ) {
-          wgmma_fence();
-#pragma unroll
-          for (int kc = 0; kc < 4; ++kc) WgmmaRs<D, T>::template mma<1>(dq_flat, dsa[kc], mn_chunk(k_desc, kc), 1);
-          wgmma_commit();
         } else {
-          rs_block_product<T, D>(dq_flat, dsa, k_desc);
+          rs_block_product<T, D, HOLD_DQ>(dq_flat, dsa, k_desc);
         }
       }
       ring.template end_block<HOLD_DQ>(b < my_end, sm.empty, tid);
