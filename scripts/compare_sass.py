@@ -88,9 +88,9 @@ def disassemble(tree: str, source: str, arch: str, work: str, tag: str) -> dict[
     if nvdisasm:
         env["NVDISASM_PATH"] = os.path.dirname(nvdisasm) if os.path.isfile(nvdisasm) else nvdisasm
     dumped = subprocess.run([tool("CUOBJDUMP", "cuobjdump"), "-sass", cubin], env=env, capture_output=True, text=True)
-    if dumped.returncode != 0 or "Function :" not in dumped.stdout:
-        sys.exit(f"compare_sass: cuobjdump found no kernel in {cubin}:\n{dumped.stdout}{dumped.stderr}")
-    return kernels(dumped.stdout)
+    if dumped.returncode != 0:
+        sys.exit(f"compare_sass: cuobjdump failed on {cubin}:\n{dumped.stdout}{dumped.stderr}")
+    return kernels(dumped.stdout)  # none where the source has no kernel for this architecture
 
 
 def demangle(name: str) -> str:
