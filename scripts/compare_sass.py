@@ -113,7 +113,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         base_tree = os.path.join(work, "base")
         os.makedirs(base_tree)
-        archive = subprocess.run(["git", "archive", args.base, "csrc"], cwd=ROOT, capture_output=True, check=True)
+        archive = subprocess.run(["git", "archive", args.base, "csrc"], cwd=ROOT, capture_output=True)
+        if archive.returncode != 0:
+            sys.exit(f"compare_sass: no csrc/ at revision {args.base!r}: {archive.stderr.decode().strip()}")
         subprocess.run(["tar", "-x", "-C", base_tree], input=archive.stdout, check=True)
         for source in args.sources:
             result = compare(disassemble(base_tree, source, args.arch, work, "base"),
