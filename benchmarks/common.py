@@ -211,7 +211,16 @@ def start_run(name: str, args: argparse.Namespace, facts: str = "") -> tuple[dic
     tag = --tag or the device's name), the copy bandwidth measured now (recorded as a row), and
     the header line (with `facts` appended)."""
     import rl_engine_ext
+    from rl_engine_ext import _native
 
+    # Without native kernels for the device every "ours" row would time the pure-PyTorch
+    # reference under our name: refuse rather than record that.
+    key = _native.dispatch_key(args.device)
+    if not any(k == key for _, k in _native.NATIVE_KERNELS):
+        why = _native.NATIVE_UNAVAILABLE_REASON or f"this build has no native kernel for {key}"
+        raise SystemExit(f"bench_{name}: no native rl_engine_ext kernel runs on {args.device} ({why}), so every "
+                         "time of ours would be the pure-PyTorch reference's; build the native library for this "
+                         "device first (`pip install --no-build-isolation -e .`)")
     info = device_info(args.device)
     tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
     out = CsvWriter(os.path.join(args.out, f"{name}_{tag}.csv"), info)

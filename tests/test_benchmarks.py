@@ -36,3 +36,16 @@ def test_bench_quick_cpu(bench, tmp_path):
     for mode in {r["mode"] for r in times if r["provider"] == "rl_engine_ext"}:
         ratios = [r for r in rows if r["mode"] == mode and r["metric"].startswith("ratio_vs_")]
         assert ratios and all(math.isfinite(float(r["median"])) and float(r["median"]) > 0 for r in ratios), mode
+
+
+def test_bench_refuses_without_native_kernels(tmp_path):
+    """With no native kernel for the device (here: the library not loaded) a benchmark stops
+    before timing anything: its "ours" rows would be the pure-PyTorch reference's times."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rms_norm.py"), "--device", "cpu", "--quick",
+         "--out", str(tmp_path), "--tag", "smoke"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, RL_ENGINE_EXT_NO_NATIVE="1"),
+    )
+    assert done.returncode != 0
+    assert "no native rl_engine_ext kernel runs on cpu" in done.stderr and "RL_ENGINE_EXT_NO_NATIVE" in done.stderr
+    assert not os.path.exists(tmp_path / "rms_norm_smoke.csv")
