@@ -349,16 +349,17 @@ __device__ __forceinline__ void load_q_do_swizzled(uint8_t* q_dst, uint8_t* do_d
 }
 #endif
 
-// The backward kernels' work items: TileOrder's tiles, y the kv head, the visits a sequence's key
-// tiles (dK/dV) or row tiles (dQ). A CTA takes items blockIdx.x, + gridDim.x, ... (the ordered dQ's:
-// the one its ticket names). The recompute's kernels take sections of kBwdPairsPerSection pairs:
-// tile-major over every pair (one section) had each pair's Q / dO (dK/dV) or K / V (dQ) stream read
-// by about two of the running CTAs at 8 x 4096 (H200: fwd+bwd 0.81 -> 0.86 of cuDNN with 16), and
-// sections of 4 or 8 pairs lose the heaviest-first order at 8 x 1024 (the forward's rule, sections
-// of K / V taking 20 MB of L2, would give 2 pairs for dK/dV's Q / dO at 4096). The ordered dQ takes
-// one section: its tile t waits for the same pair's tile t - 1 (which comes first in any section,
-// as its tickets need), and 16 pairs put the two so close in launch order that they run in
-// lockstep (8 x 1024: 0.95 -> 0.68 of the recompute's speed).
+// The backward kernels' work items: TileOrder's tiles (tile_in_sections), y the kv head, the visits
+// a sequence's key tiles (dK/dV) or row tiles (dQ). A CTA takes items blockIdx.x, + gridDim.x, ...
+// (the ordered dQ's: the one its ticket names). The recompute's kernels take sections of
+// kBwdPairsPerSection pairs: tile-major over every pair (one section) had each pair's Q / dO
+// (dK/dV) or K / V (dQ) stream read by about two of the running CTAs at 8 x 4096 (H200: fwd+bwd
+// 0.81 -> 0.86 of cuDNN with 16), and sections of 4 or 8 pairs lose the heaviest-first order at
+// 8 x 1024 (the forward's rule, sections of K / V taking 20 MB of L2, would give 2 pairs for
+// dK/dV's Q / dO at 4096). The ordered dQ takes one section: its tile t waits for the same pair's
+// tile t - 1 (which comes first in any section, as its tickets need), and 16 pairs put the two so
+// close in launch order that they run in lockstep (8 x 1024: 0.95 -> 0.68 of the recompute's
+// speed).
 constexpr int64_t kBwdPairsPerSection = 16;
 
 // ------------------------------------------------------------------------------------------------
@@ -377,8 +378,8 @@ constexpr int64_t kBwdPairsPerSection = 16;
 // bits are too. Two producer warps keep the turns off the consumers' path: the loader waits for the
 // block's turn (w.turns reaching t) and TMA-loads the sums; the releaser advances the turn once the
 // consumers have stored theirs. A CTA takes its item from a ticket drawn when it starts, in
-// TileOrder's (a pair's tile t - 1 before its tile t), so every tile it waits for belongs to a
-// CTA that started before it: no wait on a CTA that cannot be scheduled.
+// tile_in_sections' order (a pair's tile t - 1 before its tile t), so every tile it waits for
+// belongs to a CTA that started before it: no wait on a CTA that cannot be scheduled.
 template <typename T, typename Cfg, bool EXACT, bool ORDERED_DQ>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap do_map,
@@ -406,10 +407,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   uint8_t* acc_tile = sm.scratch + Cfg::DS_BYTES;  // the ordered dQ's sums of the earlier key tiles
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  // This CTA's items (TileOrder): the one its ticket names (ORDERED_DQ), else grid-stride.
-  const TileOrder order = TileOrder::over(p.num_seqs, p.heads_kv, ceil_div(p.max_kv_len, KEYS),
-                                          ORDERED_DQ ? p.heads_kv * p.num_seqs : kBwdPairsPerSection);
-  const int64_t item0 = ORDERED_DQ ? ticket : blockIdx.x, item_step = ORDERED_DQ ? order.total : gridDim.x;
+  // This CTA's items (tile_in_sections): the one its ticket names (ORDERED_DQ), else grid-stride.
+  const int64_t tiles = ceil_div(p.max_kv_len, KEYS), items = p.heads_kv * p.num_seqs * tiles;
+  const int64_t section = ORDERED_DQ ? p.heads_kv * p.num_seqs : kBwdPairsPerSection;
+  const int64_t item0 = ORDERED_DQ ? ticket : blockIdx.x, item_step = ORDERED_DQ ? items : gridDim.x;
   // Key tile `tile` of a sequence, the same for both roles: keys key0 .. key0 + KEYS - 1, seen by
   // the query blocks first_qb .. first_qb + q_blocks - 1 of each head (causal: none before).
   struct KeyTile {
@@ -436,8 +437,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       // alone: a lane left behind by one that spins on the turn could miss a phase of acc_empty.
       if (lane != 0) return;
       uint32_t phase = 0;
-      for (int64_t item = item0; item < order.total; item += item_step) {
-        const TileRef ref = order.at(item);
+      for (int64_t item = item0; item < items; item += item_step) {
+        const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles, section);
         const int kv_head = ref.y, tile = ref.visit;
         const AttentionSeq sq = attention_seq(p, ref.seq);
         const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
@@ -480,8 +481,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     PairRingProducer<STAGES, Cfg::D_BOXES> qdo_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                     sm.full, sm.empty, sm.tail};
     uint32_t kv_phase = 0;
-    for (int64_t item = item0; item < order.total; item += item_step) {
-      const TileRef ref = order.at(item);
+    for (int64_t item = item0; item < items; item += item_step) {
+      const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles, section);
       const int kv_head = ref.y, tile = ref.visit;
       const AttentionSeq sq = attention_seq(p, ref.seq);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
@@ -530,8 +531,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   int ds_buffer = 0;
   uint32_t kv_phase = 0, acc_phase = 0;
 
-  for (int64_t item = item0; item < order.total; item += item_step) {
-    const TileRef ref = order.at(item);
+  for (int64_t item = item0; item < items; item += item_step) {
+    const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles, section);
     const int kv_head = ref.y, tile = ref.visit;
     const AttentionSeq sq = attention_seq(p, ref.seq);
     const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
@@ -781,7 +782,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   sm.template init_barriers<EXACT, false>();
   auto uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
   const int warpgroup = uniform(static_cast<int>(threadIdx.x) / kWarpgroupThreads);
-  const TileOrder order = TileOrder::over(p.num_seqs, p.heads_kv, ceil_div(p.max_q_len * group, ROWS), kBwdPairsPerSection);
+  const int64_t tiles_max = ceil_div(p.max_q_len * group, ROWS), items = p.heads_kv * p.num_seqs * tiles_max;
   // Visit `visit` of a sequence's row tiles (heaviest first), the same for both roles: rows
   // row0 .. row0 + ROWS - 1 of its q_len * G, and the key blocks [0, num_blocks) its last row sees.
   struct RowTile {
@@ -799,8 +800,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int lane = static_cast<int>(threadIdx.x);
     PairRingProducer<STAGES, Cfg::D_BOXES> kv_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                    sm.full, sm.empty, sm.tail};
-    for (int64_t item = blockIdx.x; item < order.total; item += gridDim.x) {
-      const TileRef ref = order.at(item);
+    for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+      const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles_max, kBwdPairsPerSection);
       const int visit = ref.visit;
       const AttentionSeq sq = attention_seq(p, ref.seq);
       const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
@@ -833,8 +834,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   constexpr bool HOLD_DQ = !EXACT;
   ConsumerRing<STAGES, EXACT> ring;
 
-  for (int64_t item = blockIdx.x; item < order.total; item += gridDim.x) {
-    const TileRef ref = order.at(item);
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles_max, kBwdPairsPerSection);
     const int kv_head = ref.y, visit = ref.visit;
     const AttentionSeq sq = attention_seq(p, ref.seq);
     const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
@@ -1046,7 +1047,7 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Attenti
     constexpr bool EXACT = decltype(exact_tag)::value, ORDERED_DQ = decltype(ordered_tag)::value;
     using KCfg = std::conditional_t<ORDERED_DQ, OrderedCfg, Cfg>;
     constexpr int kSmem = EXACT ? KCfg::EXACT_SMEM_BYTES : ORDERED_DQ ? KCfg::ORDERED_SMEM_BYTES : KCfg::SMEM_BYTES;
-    // A CTA per item (TileOrder), grid-stride past INT32_MAX; the ordered kernel's items fit (a
+    // A CTA per item (tile_in_sections), grid-stride past INT32_MAX; the ordered kernel's items fit (a
     // CTA each). The EXACT launch mostly finds nothing to do (the status word is 0): a small grid
     // keeps it to a few microseconds.
     const dim3 grid(capped(p.heads_kv * p.num_seqs * key_tiles, EXACT ? 16 * p.heads_kv : INT32_MAX));

@@ -106,6 +106,19 @@ struct TileOrder {
     return TileRef{pair / grid_y, static_cast<int>(r / n_pairs), static_cast<int>(pair % grid_y)};
   }
 };
+// Tile t (< pairs * tiles_max) of the same order, for the backward kernels: they pass their
+// problem's fields and a compile-time section size straight in. A TileOrder built inside them (in
+// registers, its section size clamped at run time) made forward + backward 3-4% slower on the H200
+// (journal, run 69); TileOrder::at's arithmetic here changes their machine code, as this
+// arithmetic changes the forward's, so each keeps the form it was measured with.
+// tests/cpp/tile_order_check.cu proves the two give the same order.
+__host__ __device__ __forceinline__ TileRef tile_in_sections(int64_t t, int64_t pairs, int64_t grid_y, int64_t tiles_max,
+                                                             int64_t pairs_per_section) {
+  const int64_t first_pair = t / (pairs_per_section * tiles_max) * pairs_per_section;
+  const int64_t n_pairs = pairs - first_pair < pairs_per_section ? pairs - first_pair : pairs_per_section;
+  const int64_t r = t - first_pair * tiles_max, pair = first_pair + r % n_pairs;
+  return TileRef{pair / grid_y, static_cast<int>(r / n_pairs), static_cast<int>(pair % grid_y)};
+}
 
 // Why an operand (token/head strides, `heads`, `elements`, dim 0's `stride_outer`:
 // AttentionProblem) cannot be addressed as OperandMap says, or nullptr where it can (then *info
