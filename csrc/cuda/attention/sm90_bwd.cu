@@ -1047,9 +1047,9 @@ gpuError_t launch_bwd(DType dtype, const AttentionGradProblem& gp, const Attenti
     constexpr bool EXACT = decltype(exact_tag)::value, ORDERED_DQ = decltype(ordered_tag)::value;
     using KCfg = std::conditional_t<ORDERED_DQ, OrderedCfg, Cfg>;
     constexpr int kSmem = EXACT ? KCfg::EXACT_SMEM_BYTES : ORDERED_DQ ? KCfg::ORDERED_SMEM_BYTES : KCfg::SMEM_BYTES;
-    // A CTA per item (tile_in_sections), grid-stride past INT32_MAX; the ordered kernel's items fit (a
-    // CTA each). The EXACT launch mostly finds nothing to do (the status word is 0): a small grid
-    // keeps it to a few microseconds.
+    // A CTA per item (tile_in_sections), grid-stride past INT32_MAX; the ordered kernel's items
+    // fit (a CTA each). The EXACT launch mostly finds nothing to do (the status word is 0): a small
+    // grid keeps it to a few microseconds.
     const dim3 grid(capped(p.heads_kv * p.num_seqs * key_tiles, EXACT ? 16 * p.heads_kv : INT32_MAX));
     auto kernel = attention_bwd_dkdv_sm90_kernel<T, KCfg, EXACT, ORDERED_DQ>;
     static std::atomic<uint64_t> raised{0};
