@@ -421,6 +421,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int first_qb = p.causal && key0 > first_pos ? (key0 - first_pos) / kTileRows : 0;
     return KeyTile{key0, first_qb, (q_len + kTileRows - 1) / kTileRows - first_qb};
   };
+  // Item `item` (tile_in_sections), the same for every role: its kv head, key tile and sequence,
+  // the sequence's lengths (through `lens`: the consumers make them warp-uniform) and key tiles.
+  struct KeyItem {
+    int kv_head, tile;
+    AttentionSeq sq;
+    int q_len, kv_len, first_pos, key_tiles;
+  };
+  auto key_item = [&](int64_t item, auto lens) {
+    const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles, section);
+    const AttentionSeq sq = attention_seq(p, ref.seq);
+    const int q_len = lens(static_cast<int>(sq.q_len)), kv_len = lens(static_cast<int>(sq.kv_len));
+    return KeyItem{ref.y, ref.visit, sq, q_len, kv_len, kv_len - q_len, (kv_len + KEYS - 1) / KEYS};
+  };
   // The last key tile a query block's dQ takes from (its last query's last key).
   auto last_key_tile = [&](int qstart, int key_tiles, int first_pos) {
     return p.causal ? min(key_tiles - 1, (first_pos + qstart + kTileRows - 1) / KEYS) : key_tiles - 1;
@@ -438,12 +451,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       if (lane != 0) return;
       uint32_t phase = 0;
       for (int64_t item = item0; item < items; item += item_step) {
-        const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles, section);
-        const int kv_head = ref.y, tile = ref.visit;
-        const AttentionSeq sq = attention_seq(p, ref.seq);
-        const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
-        const int first_pos = kv_len - q_len;
-        const int key_tiles = (kv_len + KEYS - 1) / KEYS;
+        const auto [kv_head, tile, sq, q_len, kv_len, first_pos, key_tiles] = key_item(item, [](int x) { return x; });
         if (q_len <= 0 || tile >= key_tiles) continue;
         const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
         for (int it = 0; it < group * q_blocks; ++it) {
@@ -482,12 +490,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
                                                     sm.full, sm.empty, sm.tail};
     uint32_t kv_phase = 0;
     for (int64_t item = item0; item < items; item += item_step) {
-      const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles, section);
-      const int kv_head = ref.y, tile = ref.visit;
-      const AttentionSeq sq = attention_seq(p, ref.seq);
-      const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
-      const int first_pos = kv_len - q_len;
-      if (q_len <= 0 || tile >= (kv_len + KEYS - 1) / KEYS) continue;
+      const auto [kv_head, tile, sq, q_len, kv_len, first_pos, key_tiles] = key_item(item, [](int x) { return x; });
+      if (q_len <= 0 || tile >= key_tiles) continue;
       int q_c1, q_c2, kv_c1, kv_c2;  // map coordinates of the sequence's token 0, head 0
       q_at.coords(sq.q_base, 0, 0, q_c1, q_c2);
       kv_at.coords(sq.kv_base, 0, 0, kv_c1, kv_c2);
@@ -532,12 +536,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   uint32_t kv_phase = 0, acc_phase = 0;
 
   for (int64_t item = item0; item < items; item += item_step) {
-    const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles, section);
-    const int kv_head = ref.y, tile = ref.visit;
-    const AttentionSeq sq = attention_seq(p, ref.seq);
-    const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
-    const int first_pos = kv_len - q_len;
-    const int key_tiles = (kv_len + KEYS - 1) / KEYS;
+    const KeyItem it = key_item(item, uniform);  // named, not bound: the masks' lambdas capture them
+    const int kv_head = it.kv_head, tile = it.tile, q_len = it.q_len, kv_len = it.kv_len, first_pos = it.first_pos;
+    const int key_tiles = it.key_tiles;
+    const AttentionSeq sq = it.sq;
     if (q_len <= 0 || tile >= key_tiles) continue;
     const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
     const int my_key0 = key0 + consumer * kTileRows;
@@ -793,6 +795,20 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     const int last_pos = first_pos + ((row0 + ROWS < rows ? row0 + ROWS : rows) - 1) / group;
     return RowTile{row0, p.causal ? last_pos / kTileRows + 1 : (kv_len + kTileRows - 1) / kTileRows};
   };
+  // Item `item` (tile_in_sections), the same for both roles: its kv head, visit and sequence, the
+  // sequence's lengths (through `lens`: the consumers make them warp-uniform), rows and row tiles.
+  struct RowItem {
+    int kv_head, visit;
+    AttentionSeq sq;
+    int q_len, kv_len, rows, tiles, first_pos;
+  };
+  auto row_item = [&](int64_t item, auto lens) {
+    const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles_max, kBwdPairsPerSection);
+    const AttentionSeq sq = attention_seq(p, ref.seq);
+    const int q_len = lens(static_cast<int>(sq.q_len)), kv_len = lens(static_cast<int>(sq.kv_len));
+    const int rows = q_len * group;
+    return RowItem{ref.y, ref.visit, sq, q_len, kv_len, rows, (rows + ROWS - 1) / ROWS, kv_len - q_len};
+  };
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
@@ -801,15 +817,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     PairRingProducer<STAGES, Cfg::D_BOXES> kv_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                    sm.full, sm.empty, sm.tail};
     for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-      const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles_max, kBwdPairsPerSection);
-      const int visit = ref.visit;
-      const AttentionSeq sq = attention_seq(p, ref.seq);
-      const int q_len = static_cast<int>(sq.q_len), kv_len = static_cast<int>(sq.kv_len);
-      const int rows = q_len * group, tiles = (rows + ROWS - 1) / ROWS;
-      const int first_pos = kv_len - q_len;
+      const auto [kv_head, visit, sq, q_len, kv_len, rows, tiles, first_pos] = row_item(item, [](int x) { return x; });
       if (q_len <= 0 || visit >= tiles) continue;
       int kv_c1, kv_c2;
-      kv_at.coords(sq.kv_base, ref.y, 0, kv_c1, kv_c2);
+      kv_at.coords(sq.kv_base, kv_head, 0, kv_c1, kv_c2);
       const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
       for (int b = 0; b < num_blocks; ++b) {
         const int key0 = b * kTileRows;
@@ -835,12 +846,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   ConsumerRing<STAGES, EXACT> ring;
 
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const TileRef ref = tile_in_sections(item, p.heads_kv * p.num_seqs, p.heads_kv, tiles_max, kBwdPairsPerSection);
-    const int kv_head = ref.y, visit = ref.visit;
-    const AttentionSeq sq = attention_seq(p, ref.seq);
-    const int q_len = uniform(static_cast<int>(sq.q_len)), kv_len = uniform(static_cast<int>(sq.kv_len));
-    const int rows = q_len * group, tiles = (rows + ROWS - 1) / ROWS;
-    const int first_pos = kv_len - q_len;
+    const auto [kv_head, visit, sq, q_len, kv_len, rows, tiles, first_pos] = row_item(item, uniform);
     if (q_len <= 0 || visit >= tiles) continue;
     const auto [row0, num_blocks] = row_tile(visit, tiles, rows, kv_len, first_pos);
     const int my_row0 = row0 + consumer * kTileRows;
