@@ -21,6 +21,10 @@ from typing import Callable, Iterable
 
 import torch
 
+# --quick on the CPU is the suite's smoke test (tests/test_benchmarks.py): it checks that a script
+# runs and writes its rows, not its times, so there every timing takes its fewest samples.
+_smoke = False
+
 CSV_COLUMNS = ["op", "provider", "shape", "dtype", "mode", "metric", "median", "p20", "p80", "unit", "gpu", "torch", "cuda"]
 
 
@@ -58,7 +62,7 @@ def bench(fn: Callable[[], object], *, device: str, warmup_ms: float = 25, rep_m
         return Timing(median * 1e3, p20 * 1e3, p80 * 1e3)
     fn()
     samples: list[float] = []
-    deadline = time.perf_counter() + rep_ms / 1e3
+    deadline = time.perf_counter() + (0 if _smoke else rep_ms / 1e3)
     while time.perf_counter() < deadline or len(samples) < 5:
         t0 = time.perf_counter()
         fn()
@@ -69,6 +73,8 @@ def bench(fn: Callable[[], object], *, device: str, warmup_ms: float = 25, rep_m
 def bench_wall(fn: Callable[[], object], *, device: str, iters: int = 200, loops: int = 5) -> Timing:
     """Back-to-back calls with no flush, timed around whole loops: includes the host's launch and
     dispatch overhead, which is what a decode step (M=1) pays."""
+    if _smoke:
+        iters, loops = min(iters, 5), 1
     samples: list[float] = []
     for _ in range(loops + 1):
         if device == "cuda":
@@ -210,6 +216,7 @@ def start_run(name: str, args: argparse.Namespace, facts: str = "") -> tuple[dic
     """What every benchmark starts with: the device facts, the CSV writer (<out>/<name>_<tag>.csv,
     tag = --tag or the device's name), the copy bandwidth measured now (recorded as a row), and
     the header line (with `facts` appended)."""
+    global _smoke
     import rl_engine_ext
     from rl_engine_ext import _native
 
@@ -221,6 +228,7 @@ def start_run(name: str, args: argparse.Namespace, facts: str = "") -> tuple[dic
         raise SystemExit(f"bench_{name}: no native rl_engine_ext kernel runs on {args.device} ({why}), so every "
                          "time of ours would be the pure-PyTorch reference's; build the native library for this "
                          "device first (`pip install --no-build-isolation -e .`)")
+    _smoke = args.quick and args.device == "cpu"
     info = device_info(args.device)
     tag = args.tag or re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
     out = CsvWriter(os.path.join(args.out, f"{name}_{tag}.csv"), info)

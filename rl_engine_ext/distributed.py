@@ -52,6 +52,7 @@ import os
 import socket
 import warnings
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -461,31 +462,43 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 # ---------------------------------------------------------------------------------------------
 
 
-def _fsdp_reduce_scatter_base():
+@functools.cache
+def _invariant_reduce_scatter_class() -> type:
+    """InvariantReduceScatter, made on first use: its base class, FSDP2's ReduceScatter, lives in
+    torch.distributed.fsdp, whose import (about 3 s of CPU) would otherwise be most of
+    `import rl_engine_ext`'s time in every process, sharded or not."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     except ImportError:  # a torch without FSDP2's custom-collective hooks
-        return object
-    return ReduceScatter
+        ReduceScatter = object
+
+    class InvariantReduceScatter(ReduceScatter):
+        """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) through
+        ``reduce_scatter_tensor``: the gradients' sum over the data-parallel ranks in the fixed rank
+        tree. FSDP2 passes op AVG (fp32 / bf16 reduce dtypes) or SUM (with its own division after);
+        a gradient divide factor other than the group size (PREMUL_SUM) is refused by the op check.
+        The algorithm is 'scatter' (NCCL's all_to_all): FSDP2 runs its reduce-scatters on their own
+        stream beside its all-gathers, and the symmetric-memory kernels must not (module docstring)."""
+
+        def __init__(self, algorithm: str = "scatter"):
+            self.algorithm = algorithm
+
+        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+            return reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op,
+                                         algorithm=self.algorithm)
+
+    InvariantReduceScatter.__qualname__ = "InvariantReduceScatter"  # pickled by name, found through __getattr__
+    InvariantReduceScatter.__module__ = __name__
+    return InvariantReduceScatter
 
 
-class InvariantReduceScatter(_fsdp_reduce_scatter_base()):
-    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) through
-    ``reduce_scatter_tensor``: the gradients' sum over the data-parallel ranks in the fixed rank
-    tree. FSDP2 passes op AVG (fp32 / bf16 reduce dtypes) or SUM (with its own division after);
-    a gradient divide factor other than the group size (PREMUL_SUM) is refused by the op check.
-    The algorithm is 'scatter' (NCCL's all_to_all): FSDP2 runs its reduce-scatters on their own
-    stream beside its all-gathers, and the symmetric-memory kernels must not (module docstring)."""
-
-    def __init__(self, algorithm: str = "scatter"):
-        self.algorithm = algorithm
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        return reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op,
-                                     algorithm=self.algorithm)
+def __getattr__(name: str):
+    if name == "InvariantReduceScatter":
+        return _invariant_reduce_scatter_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def use_invariant_reduce_scatter(model: torch.nn.Module, algorithm: str = "scatter") -> int:
@@ -504,7 +517,7 @@ def use_invariant_reduce_scatter(model: torch.nn.Module, algorithm: str = "scatt
     if not hasattr(modules[0], "set_custom_reduce_scatter"):
         raise RuntimeError(f"rl_engine_ext.distributed.use_invariant_reduce_scatter: torch {torch.__version__}'s "
                            "FSDP2 has no set_custom_reduce_scatter")
-    comm = InvariantReduceScatter(algorithm)
+    comm = _invariant_reduce_scatter_class()(algorithm)
     for m in modules:
         m.set_custom_reduce_scatter(comm)
     return len(modules)

@@ -1,10 +1,12 @@
-"""rl_engine_ext.distributed on gloo process groups of 2, 3 and 4 CPU ranks (spawned processes):
+"""rl_engine_ext.distributed on gloo process groups of 2, 3 and 4 CPU ranks (tests/dist_harness.py):
 every collective equals its single-process reference (rank_sum over every rank's data) bit for
 bit, for sizes from 1 element to several MB, every algorithm the same bits, the same values the
 same bits in messages of any size; bad input raises on every rank instead of hanging.
 The CUDA paths (NCCL, symmetric memory) run in scripts/gpu_distributed.py on multi-GPU machines."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -259,6 +261,22 @@ def _single_rank_worker(rank: int, world: int) -> list[str]:
     rd.all_reduce(leaf, op=dist.ReduceOp.AVG)  # as torch.distributed: in place, no graph
     return [str(torch.equal(t, x)), str(torch.equal(avg, x)), str(torch.equal(out, x)), str(work.is_completed()),
             str(torch.equal(leaf.detach(), x.float()) and leaf.grad_fn is None)]
+
+
+def _environment_probe(rank: int, world: int) -> tuple[str | None, int]:
+    return os.environ.get("RL_ENGINE_EXT_HARNESS_PROBE"), os.getpid()
+
+
+def test_ranks_are_new_processes_with_the_callers_environment(monkeypatch):
+    """dist_harness starts gloo ranks from a fork server (torch imported once): each run's ranks
+    are new processes and see the environment as the caller set it at the call, as spawned ones do."""
+    monkeypatch.setenv("RL_ENGINE_EXT_HARNESS_PROBE", "first")
+    first = run_ranks(2, _environment_probe)
+    monkeypatch.setenv("RL_ENGINE_EXT_HARNESS_PROBE", "second")
+    second = run_ranks(2, _environment_probe)
+    assert [v for v, _ in first] == ["first"] * 2 and [v for v, _ in second] == ["second"] * 2
+    pids = {pid for _, pid in first + second}
+    assert len(pids) == 4 and os.getpid() not in pids
 
 
 def test_one_rank_and_async_op():

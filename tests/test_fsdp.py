@@ -70,6 +70,27 @@ def test_use_invariant_reduce_scatter_needs_a_sharded_model():
         rd.use_invariant_reduce_scatter(torch.nn.Linear(2, 2))
 
 
+def test_fsdp_is_imported_only_when_the_reduce_scatter_is_used():
+    """`import rl_engine_ext` leaves torch.distributed.fsdp unimported (seconds of CPU in every
+    process); InvariantReduceScatter, made on first use, is FSDP2's ReduceScatter and pickles by name."""
+    import pickle
+    import subprocess
+    import sys
+
+    code = "import sys, rl_engine_ext; print(sorted(m for m in sys.modules if m.startswith('torch.distributed.fsdp')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    from rl_engine_ext import distributed as rd
+    from rl_engine_ext.distributed import InvariantReduceScatter
+
+    comm = pickle.loads(pickle.dumps(rd.InvariantReduceScatter("gather")))
+    assert type(comm) is InvariantReduceScatter and isinstance(comm, ReduceScatter) and comm.algorithm == "gather"
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        rd.NoSuchName  # noqa: B018
+
+
 def test_example_runs_under_torchrun():
     """examples/fsdp2_qwen3.py at 2 gloo ranks as torchrun launches it: log-probs == one process, and
     the first step's gradients the same bits with one FSDP unit per layer and with one unit."""
