@@ -208,6 +208,23 @@ struct KvRingProducer {
   }
 };
 
+// Row hh of the thread's accumulators merged in place with an earlier split's partial (wa: the
+// row's state in the workspace at this thread's columns 8 dn + 2 t, + 1). The partial is read whole
+// before the first merge: loads in the merge loop waited for L2 one by one (ncu at 1 x 16384: the
+// fold took 13% of the consumers' samples, the partner consumer waiting at its turn meanwhile).
+template <int D>
+__device__ __forceinline__ void merge_earlier_partial(float (&acc)[1][D / 8][4], int hh, const float* wa,
+                                                      SplitMergeWeights wt) {
+  float2 prev[D / 8];
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) prev[dn] = *reinterpret_cast<const float2*>(wa + dn * 8);
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) {
+    acc[0][dn][2 * hh] = merge_elem(prev[dn].x, acc[0][dn][2 * hh], wt);
+    acc[0][dn][2 * hh + 1] = merge_elem(prev[dn].y, acc[0][dn][2 * hh + 1], wt);
+  }
+}
+
 // MERGE: at the first block b of split c >= 1, a consumer warp's rows warp_row0.. (those < rows)
 // that reach it fold the finished partial of split c - 1 into their merged state in the workspace
 // (the first is stored as it is) and restart from a fresh state; rows that end earlier keep theirs
@@ -248,14 +265,10 @@ __device__ __forceinline__ void fold_split(int b, float (&acc)[1][D / 8][4], flo
       w.ml[2 * ws_row[hh] + 1] = l;
     }
     float* wa = w.acc + ws_row[hh] * D + 2 * t;
+    if (!first) merge_earlier_partial<D>(acc, hh, wa, wt);
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
-      float2 cur = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
-      if (!first) {
-        const float2 prev = *reinterpret_cast<const float2*>(wa + dn * 8);
-        cur = make_float2(merge_elem(prev.x, cur.x, wt), merge_elem(prev.y, cur.y, wt));
-      }
-      *reinterpret_cast<float2*>(wa + dn * 8) = cur;
+      *reinterpret_cast<float2*>(wa + dn * 8) = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
       acc[0][dn][2 * hh] = 0.f;
       acc[0][dn][2 * hh + 1] = 0.f;
     }
@@ -291,13 +304,14 @@ __device__ __forceinline__ void pv_by_cuts(float (&acc_flat)[D / 2], const uint3
 
 // The epilogue of a consumer warp's 16 rows warp_row0.. (rows < q_len * G of the tile's sequence
 // and kv head): out = acc * (1 / l) rounded once, lse by lane t = 0; a row past its first split
-// merges its last partial into the earlier ones' state (MERGE) or, PER_SPLIT with several splits,
-// leaves this split's partial for the combine kernel. A non-finite result sets the status word.
+// merges its last partial into the earlier ones' state (MERGE: in acc) or, PER_SPLIT with several
+// splits, leaves this split's partial for the combine kernel. A non-finite result sets the status
+// word.
 // STAGED: the rounded rows go through the warp's o_stage (16 rows, 128-byte-swizzled boxes of 64
 // columns, stmatrix) and leave as whole 16-byte chunks, a row's 256 bytes per half warp, rather
 // than as 4-byte words per thread.
 template <typename T, int D, SplitMode MODE, bool EXACT, bool STAGED>
-__device__ __forceinline__ void fwd_epilogue(const float (&acc)[1][D / 8][4], const float (&row_max)[1][2],
+__device__ __forceinline__ void fwd_epilogue(float (&acc)[1][D / 8][4], const float (&row_max)[1][2],
                                              const float (&row_sum)[1][2], const int (&row_last_key)[1][2], T* out,
                                              const AttentionProblem& p, const AttentionFwdWorkspace& w,
                                              const AttentionSeq& sq, int kv_head, int split, int rows, int group,
@@ -347,14 +361,15 @@ __device__ __forceinline__ void fwd_epilogue(const float (&acc)[1][D / 8][4], co
     write[hh] = true;
     if (t == 0) p.lse[lse_at] = final_lse(m, l);
   }
-  // Columns 8 dn + 2 t, + 1 of row hh, rounded (merged first where the row merges).
-  auto rounded_pair = [&](int dn, int hh) -> uint32_t {
-    float a0 = acc[0][dn][2 * hh], a1 = acc[0][dn][2 * hh + 1];
-    if (merged[hh]) {
-      const float2 prev = *reinterpret_cast<const float2*>(w.acc + lse_row[hh] * D + 2 * t + dn * 8);
-      a0 = merge_elem(prev.x, a0, wt[hh]);
-      a1 = merge_elem(prev.y, a1, wt[hh]);
+  if constexpr (MERGE) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (merged[hh]) merge_earlier_partial<D>(acc, hh, w.acc + lse_row[hh] * D + 2 * t, wt[hh]);
     }
+  }
+  // Columns 8 dn + 2 t, + 1 of row hh, rounded.
+  auto rounded_pair = [&](int dn, int hh) -> uint32_t {
+    const float a0 = acc[0][dn][2 * hh], a1 = acc[0][dn][2 * hh + 1];
     nonfinite |= write[hh] & either_nonfinite(a0, a1);
     return pack_rounded<T>(__fmul_rn(a0, inv_l[hh]), __fmul_rn(a1, inv_l[hh]));
   };
