@@ -1,6 +1,7 @@
 """Shared fixtures: every op test runs on CPU and, where a GPU is present, on CUDA."""
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -213,3 +214,20 @@ def randn(*shape: int, dtype: torch.dtype, device: str, seed: int, scale: float 
     """Fresh random values from a seeded CPU generator (the same values on every device)."""
     t = torch.randn(*shape, generator=make_generator(seed), dtype=torch.float32) * scale
     return t.to(dtype=dtype, device=device)
+
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def needs_script(name: str):
+    """Skip marker of the tests of scripts/NAME.py: the packaging run outside the tree has no scripts/."""
+    return pytest.mark.skipif(not os.path.isfile(os.path.join(SCRIPTS, f"{name}.py")),
+                              reason=f"needs the source tree (scripts/{name}.py)")
+
+
+def load_script(name: str):
+    """scripts/NAME.py imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,22 +4,16 @@ on the disassembly text alone. Needs the source tree (scripts/); the packaging r
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compare_sass.py")
+from conftest import load_script, needs_script
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(SCRIPT), reason="needs the source tree (scripts/compare_sass.py)")
+pytestmark = needs_script("compare_sass")
 
 
 @pytest.fixture(scope="module")
 def compare_sass():
-    spec = importlib.util.spec_from_file_location("compare_sass", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare_sass")
 
 
 def _sass(namespace_hash: str, kernels: dict[str, list[tuple[str, str]]]) -> str:

@@ -5,22 +5,17 @@ raw page's text alone. Needs the source tree (scripts/); the packaging run skips
 from __future__ import annotations
 
 import csv
-import importlib.util
-import os
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "ncu_attention.py")
+from conftest import load_script, needs_script
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(SCRIPT), reason="needs the source tree (scripts/ncu_attention.py)")
+pytestmark = needs_script("ncu_attention")
 
 
 @pytest.fixture(scope="module")
 def ncu_attention():
-    spec = importlib.util.spec_from_file_location("ncu_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ncu_attention")
 
 
 def _raw_page(path, kernels):
