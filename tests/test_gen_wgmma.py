@@ -4,10 +4,11 @@ Needs the source tree (csrc/, scripts/); the packaging run outside the tree skip
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
+
+from conftest import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GENERATOR = os.path.join(ROOT, "scripts", "gen_wgmma.py")
@@ -18,9 +19,7 @@ pytestmark = pytest.mark.skipif(not (os.path.isfile(GENERATOR) and os.path.isfil
 
 
 def test_generator_reproduces_the_committed_header(tmp_path):
-    spec = importlib.util.spec_from_file_location("gen_wgmma", GENERATOR)
-    gen_wgmma = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen_wgmma)
+    gen_wgmma = load_script("gen_wgmma")
     assert os.path.samefile(gen_wgmma.HEADER, COMMITTED_HEADER)  # the file the script rewrites
     gen_wgmma.HEADER = str(tmp_path / "wgmma_instructions.h")  # written here; the committed one stays untouched
     gen_wgmma.main()
