@@ -31,7 +31,10 @@ the same targets). On sm90 each fwd+bwd row also times the backward's two dQ for
 with RL_ENGINE_EXT_ATTENTION_DQ: "rl_engine_ext_dq_ordered" against "rl_engine_ext_dq_recompute"
 (ratio_vs_rl_engine_ext_dq_recompute: the recompute's time / the ordered form's).
 GPU time per call from triton's do_bench (L2 flushed). Prints one line per (row, reference) with
-both pair ratios and PASS/MISS per target (never asserts). --quick: tiny shapes (CPU smoke test).
+both pair ratios and PASS/MISS per target (never asserts); the CSV is rewritten after every pair, so
+a run cut short keeps its rows. --quick: tiny shapes (CPU smoke test). --modes: a comma list of
+fwd, fwd+bwd, varlen, decode (default all); --references: a comma list of the SDPA references to
+time (default all; "best" is then the fastest of those).
 """
 
 from __future__ import annotations
@@ -45,13 +48,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rl_engine_ext  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ABBA_LEGEND, bench_abba, bench_arg_parser, grouped_bars, median_of, pyplot, save_figure, start_run, verdict,
+    ABBA_LEGEND, bench_abba, bench_arg_parser, choose, grouped_bars, median_of, pyplot, save_figure, start_run,
+    verdict,
 )
 
 HQ, HKV = 32, 8
 PATH_ENV = "RL_ENGINE_EXT_ATTENTION_PATH"
 FORCED_PATH = "sm80"
 DQ_ENV = "RL_ENGINE_EXT_ATTENTION_DQ"
+MODES = ["fwd", "fwd+bwd", "varlen", "decode"]
 
 
 def on_path(path: str | None, fn, env: str = PATH_ENV):
@@ -161,8 +166,13 @@ PREFILL_TARGETS = {("fwd", 1024): 0.85, ("fwd", 4096): 0.90, ("fwd", 16384): 0.9
 
 def main() -> int:
     parser = bench_arg_parser(__doc__)
+    parser.add_argument("--modes", default=None, help="comma list of " + ",".join(MODES))
+    parser.add_argument("--references", default=None, help="comma list of SDPA references (default: every one)")
     args = parser.parse_args()
     device = args.device
+    modes = choose(parser, args.modes, MODES, MODES, "mode")
+    known = [name for name, _ in sdpa_backends(device)]
+    references = choose(parser, args.references, known, known, "reference")
     if args.quick:
         prefills, d, decodes, rep_ms, varlens = [(1, 64)], 64, [(2, 128)], 10, [70, 3, 1]
     else:
@@ -199,6 +209,7 @@ def main() -> int:
             pair = bench_abba(a, b, device=device, rep_ms=rep_ms)
             out.add_pair("attention", shape, "bf16", mode, pair, ours=a_provider, reference=b_provider,
                          ratio_metric=f"ratio_vs_{b_provider}", per_side=per_side)
+            out.write()
             print(f"{mode:>8} {shape:>24} {a_label} {pair.ours.median_us:10.1f} us ({rate(pair.ours.median_us)})  "
                   f"{b_label:>14} {pair.reference.median_us:10.1f} us ({rate(pair.reference.median_us)})  "
                   f"ratio {pair.ratio:.3f} (pairs {pair.pairs})", flush=True)
@@ -207,6 +218,8 @@ def main() -> int:
         ours = on_path(None, ours_fn)
         fastest = None  # (name, PairTiming, timed callable) of the fastest reference
         for name, backend in sdpa_backends(device):
+            if name not in references:
+                continue
             variant = sdpa_variant(q, k, v, causal, backend)
             if variant is None:
                 print(f"{mode:>8} {shape:>24} {name}: cannot run this shape, left out", flush=True)
@@ -236,55 +249,59 @@ def main() -> int:
             for suffix, value in (("", pair.ratio), ("_pair1", pair.pair1), ("_pair2", pair.pair2)):
                 out.add("attention", provider, shape, "bf16", mode, f"ratio_vs_best{suffix}", value)
 
-    for batch, s in prefills:
+    for batch, s in prefills if {"fwd", "fwd+bwd"} & set(modes) else []:
         q = torch.randn(batch, HQ, s, d, generator=gen).to(device=device, dtype=dtype)
         k, v = (torch.randn(batch, HKV, s, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         dout = torch.randn(batch, HQ, s, d, generator=gen).to(device=device, dtype=dtype)
         shape = f"B{batch}_H{HQ}/{HKV}_S{s}_D{d}"
         flops = 2 * 2 * batch * HQ * s * s * d / 2
-        record("fwd", (batch, s), shape, lambda: rl_engine_ext.attention(q, k, v), q, k, v, True,
-               lambda fn, kk, vv: (lambda: fn(q, kk, vv)), flops=flops)
-        record("fwd+bwd", (batch, s), shape, fwd_bwd(rl_engine_ext.attention, q, k, v, dout), q, k, v, True,
-               lambda fn, kk, vv: fwd_bwd(fn, q, kk, vv, dout), flops=3.5 * flops)
-        if path == "sm90":
-            # The sm90 backward's two dQ forms (the same bits), each forced: by ordered turns inside
-            # the dK/dV kernel (the default up to 1024 keys) against the dQ kernel's recompute.
-            ours_fb = fwd_bwd(rl_engine_ext.attention, q, k, v, dout)
-            ordered, recompute = (on_path(None, on_path(mode, ours_fb, DQ_ENV)) for mode in ("ordered", "recompute"))
-            pair = bench_abba(ordered, recompute, device=device, rep_ms=rep_ms)
-            os.environ.pop(DQ_ENV, None)  # the later rows time the default
-            out.add_pair("attention", shape, "bf16", "fwd+bwd", pair, ours="rl_engine_ext_dq_ordered",
-                         reference="rl_engine_ext_dq_recompute", ratio_metric="ratio_vs_rl_engine_ext_dq_recompute")
-            print(f"{'fwd+bwd':>8} {shape:>24} dQ ordered {pair.ours.median_us:10.1f} us  recompute "
-                  f"{pair.reference.median_us:10.1f} us  ratio {pair.ratio:.3f} (pairs {pair.pairs})", flush=True)
+        if "fwd" in modes:
+            record("fwd", (batch, s), shape, lambda: rl_engine_ext.attention(q, k, v), q, k, v, True,
+                   lambda fn, kk, vv: (lambda: fn(q, kk, vv)), flops=flops)
+        if "fwd+bwd" in modes:
+            record("fwd+bwd", (batch, s), shape, fwd_bwd(rl_engine_ext.attention, q, k, v, dout), q, k, v, True,
+                   lambda fn, kk, vv: fwd_bwd(fn, q, kk, vv, dout), flops=3.5 * flops)
+            if path == "sm90":
+                # The sm90 backward's two dQ forms (the same bits), each forced: by ordered turns inside
+                # the dK/dV kernel (the default up to 1024 keys) against the dQ kernel's recompute.
+                ours_fb = fwd_bwd(rl_engine_ext.attention, q, k, v, dout)
+                ordered, recompute = (on_path(None, on_path(mode, ours_fb, DQ_ENV)) for mode in ("ordered", "recompute"))
+                pair = bench_abba(ordered, recompute, device=device, rep_ms=rep_ms)
+                os.environ.pop(DQ_ENV, None)  # the later rows time the default
+                out.add_pair("attention", shape, "bf16", "fwd+bwd", pair, ours="rl_engine_ext_dq_ordered",
+                             reference="rl_engine_ext_dq_recompute", ratio_metric="ratio_vs_rl_engine_ext_dq_recompute")
+                out.write()
+                print(f"{'fwd+bwd':>8} {shape:>24} dQ ordered {pair.ours.median_us:10.1f} us  recompute "
+                      f"{pair.reference.median_us:10.1f} us  ratio {pair.ratio:.3f} (pairs {pair.pairs})", flush=True)
         del q, k, v, dout
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    # Packed prefill of mixed lengths: ours in one call, SDPA per sequence (the same q/k/v views).
-    q = torch.randn(sum(varlens), HQ, d, generator=gen).to(device=device, dtype=dtype)
-    k, v = (torch.randn(sum(varlens), HKV, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
-    bounds = [0]
-    for n in varlens:
-        bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    views = [tuple(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)) for a, b in zip(bounds, bounds[1:])]
+    if "varlen" in modes:
+        # Packed prefill of mixed lengths: ours in one call, SDPA per sequence (the same q/k/v views).
+        q = torch.randn(sum(varlens), HQ, d, generator=gen).to(device=device, dtype=dtype)
+        k, v = (torch.randn(sum(varlens), HKV, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        bounds = [0]
+        for n in varlens:
+            bounds.append(bounds[-1] + n)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        views = [tuple(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)) for a, b in zip(bounds, bounds[1:])]
 
-    def per_sequence(fn, kk, vv):
-        # A backend without GQA got K/V expanded to the query heads: expand every view (untimed).
-        rep = kk.shape[1] // HKV
-        seqs = [(qs, ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)) if rep > 1 else (qs, ks, vs)
-                for qs, ks, vs in views]
-        return lambda: [fn(qs, ks, vs) for qs, ks, vs in seqs]
+        def per_sequence(fn, kk, vv):
+            # A backend without GQA got K/V expanded to the query heads: expand every view (untimed).
+            rep = kk.shape[1] // HKV
+            seqs = [(qs, ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)) if rep > 1 else (qs, ks, vs)
+                    for qs, ks, vs in views]
+            return lambda: [fn(qs, ks, vs) for qs, ks, vs in seqs]
 
-    record("varlen", "mixed", f"T{sum(varlens)}_H{HQ}/{HKV}_mixed_D{d}",
-           lambda: rl_engine_ext.attention_varlen(q, k, v, cu, max(varlens)), *views[0], True,
-           lambda fn, kk, vv: per_sequence(fn, kk, vv), flops=sum(2 * 2 * HQ * n * n * d / 2 for n in varlens))
-    del q, k, v, views
-    if device == "cuda":
-        torch.cuda.empty_cache()
+        record("varlen", "mixed", f"T{sum(varlens)}_H{HQ}/{HKV}_mixed_D{d}",
+               lambda: rl_engine_ext.attention_varlen(q, k, v, cu, max(varlens)), *views[0], True,
+               lambda fn, kk, vv: per_sequence(fn, kk, vv), flops=sum(2 * 2 * HQ * n * n * d / 2 for n in varlens))
+        del q, k, v, views
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
-    for dec_batch, length in decodes:
+    for dec_batch, length in decodes if "decode" in modes else []:
         q = torch.randn(dec_batch, HQ, 1, d, generator=gen).to(device=device, dtype=dtype)
         k, v = (torch.randn(dec_batch, HKV, length, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         lens = torch.full((dec_batch,), length, dtype=torch.int32, device=device)

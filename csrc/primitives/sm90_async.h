@@ -93,14 +93,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
-// Brings the L1 line holding `ptr` in, where `pred` (a predicate, not a branch: a branch next to
-// an in-flight wgmma serializes the pipeline). No register receives anything.
-__device__ __forceinline__ void prefetch_l1_if(const void* ptr, bool pred) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p prefetch.global.L1 [%0];\n}\n" ::"l"(ptr),
-      "r"(static_cast<int>(pred)));
-}
-
 // A box of a 3-D tensor map at coordinates (c0 innermost), completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
                                             int c2) {

@@ -324,13 +324,17 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
                     w.ml[2 * ws_row[mt][hh] + 1] = l;
                   }
                   float* wa = w.acc + ws_row[mt][hh] * Cfg::HEAD_DIM + 2 * t;
+                  // The earlier partial is read whole before any of it is rewritten: load by load
+                  // (each waiting on the store before it), a fold cost D_TILES L2 round trips.
+                  float2 prev[Cfg::D_TILES];
+#pragma unroll
+                  for (int dn = 0; dn < Cfg::D_TILES; ++dn) {
+                    prev[dn] = first ? make_float2(0.f, 0.f) : *reinterpret_cast<const float2*>(wa + dn * kMmaN);
+                  }
 #pragma unroll
                   for (int dn = 0; dn < Cfg::D_TILES; ++dn) {
                     float2 cur = make_float2(acc[mt][dn][2 * hh], acc[mt][dn][2 * hh + 1]);
-                    if (!first) {
-                      const float2 prev = *reinterpret_cast<const float2*>(wa + dn * kMmaN);
-                      cur = make_float2(merge_elem(prev.x, cur.x, wt), merge_elem(prev.y, cur.y, wt));
-                    }
+                    if (!first) cur = make_float2(merge_elem(prev[dn].x, cur.x, wt), merge_elem(prev[dn].y, cur.y, wt));
                     *reinterpret_cast<float2*>(wa + dn * kMmaN) = cur;
                     acc[mt][dn][2 * hh] = 0.f;
                     acc[mt][dn][2 * hh + 1] = 0.f;

@@ -57,14 +57,19 @@ struct BwdConfig {
   // or K and V).
   static constexpr int RESIDENT_BYTES = 2 * CONSUMERS * TILE_BYTES;
   static constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+  // Per stage, after the ring: dK/dV's fp32 lse log2(e) and delta of the stage's 64 queries.
+  // The row values are padded to 1024 bytes: the scratch past the ring holds 128-byte-swizzle tiles.
+  static constexpr int ROW_VALUES = 2 * kTileRows;
+  static constexpr int RING_BYTES = STAGES * STAGE_BYTES + (STAGES * ROW_VALUES * 4 + 1023) / 1024 * 1024;
   // full, empty per stage; resident ready, tail, resident free; the ordered dQ's sums loaded, read,
-  // stored
-  static constexpr int BARRIERS = 2 * STAGES + 6;
-  static constexpr int SMEM_BYTES = 1024 + RESIDENT_BYTES + STAGES * STAGE_BYTES + BARRIERS * 8;
+  // stored; dK/dV's row values free per stage
+  static constexpr int BARRIERS = 3 * STAGES + 6;
+  static constexpr int SMEM_BYTES = 1024 + RESIDENT_BYTES + RING_BYTES + BARRIERS * 8;
   // 1024 bytes past the ring (after the barriers), the EXACT kernels keep a cut scratch per consumer
   // (rs_product_by_cuts) and the ordered dQ its dS tiles, [2 buffers][consumer] 64 keys x 64
   // queries, then a query block's fp32 dQ sums as TMA boxes of 64 rows x 32 columns.
-  static constexpr int SCRATCH_OFFSET = RESIDENT_BYTES + STAGES * STAGE_BYTES + 1024;
+  static constexpr int SCRATCH_OFFSET = RESIDENT_BYTES + RING_BYTES + 1024;
+  static_assert(SCRATCH_OFFSET % 1024 == 0, "the scratch's swizzled tiles need 1024-byte alignment");
   static constexpr int EXACT_SMEM_BYTES = 1024 + SCRATCH_OFFSET + CONSUMERS * D_BOXES * kCutBoxBytes;
   static constexpr int DS_BYTES = 2 * CONSUMERS * kBoxBytes;
   static constexpr int ACC_BOX_COLUMNS = kSwizzleRowBytes / 4;  // fp32 columns per 128-byte box row
@@ -134,20 +139,23 @@ struct PairRingProducer {
 
 // Both kernels' shared memory, from the dynamic allocation aligned up to 1024 bytes: two resident
 // tiles per consumer ([consumer][64 rows][D] each: K and V for dK/dV, Q and dO for dQ), the ring
-// of two-tile stages (Q and dO, or K and V), the barriers (full, empty per stage; resident ready,
-// tail, resident free), then the scratch 1024 bytes past the ring (BwdConfig::SCRATCH_OFFSET).
+// of two-tile stages (Q and dO, or K and V), its row values ([stage][ROW_VALUES] fp32, dK/dV's),
+// the barriers (full, empty per stage; resident ready, tail, resident free), then the scratch
+// 1024 bytes past the ring (BwdConfig::SCRATCH_OFFSET).
 template <typename Cfg>
 struct BwdSmem {
   uint8_t *resident_a, *resident_b, *ring;
+  float* row_values;
   uint64_t *full, *empty, *resident_ready, *tail, *resident_free;
-  uint64_t *acc_full, *acc_empty, *acc_stored;
+  uint64_t *acc_full, *acc_empty, *acc_stored, *rows_free;
   uint8_t* scratch;
   __device__ __forceinline__ explicit BwdSmem(uint8_t* smem_raw) {
     uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
     resident_a = smem;
     resident_b = smem + Cfg::CONSUMERS * Cfg::TILE_BYTES;
     ring = smem + Cfg::RESIDENT_BYTES;
-    full = reinterpret_cast<uint64_t*>(ring + Cfg::STAGES * Cfg::STAGE_BYTES);
+    row_values = reinterpret_cast<float*>(ring + Cfg::STAGES * Cfg::STAGE_BYTES);
+    full = reinterpret_cast<uint64_t*>(row_values + Cfg::STAGES * Cfg::ROW_VALUES);
     empty = full + Cfg::STAGES;
     resident_ready = empty + Cfg::STAGES;
     tail = resident_ready + 1;
@@ -155,22 +163,26 @@ struct BwdSmem {
     acc_full = resident_free + 1;
     acc_empty = acc_full + 1;
     acc_stored = acc_empty + 1;
+    rows_free = acc_stored + 1;
     scratch = smem + Cfg::SCRATCH_OFFSET;
   }
   __device__ __forceinline__ uint8_t* stage_a(int s) const { return ring + s * Cfg::STAGE_BYTES; }
   __device__ __forceinline__ uint8_t* stage_b(int s) const { return ring + s * Cfg::STAGE_BYTES + Cfg::TILE_BYTES; }
+  __device__ __forceinline__ float* stage_rows(int s) const { return row_values + s * Cfg::ROW_VALUES; }
   // By thread 0, then the CTA syncs; the resident barriers only where the producer loads the
-  // resident tiles (dK/dV: the consumers of dQ store theirs), the accumulators' for the ordered dQ.
+  // resident tiles (dK/dV: the consumers of dQ store theirs; its row loader's 32 lanes also arrive
+  // on `full`, and every consumer thread on `rows_free`), the accumulators' for the ordered dQ.
   template <bool EXACT, bool RESIDENT_LOADED, bool ORDERED_DQ = false>
   __device__ __forceinline__ void init_barriers() const {
     if (threadIdx.x == 0) {
       for (int s = 0; s < Cfg::STAGES; ++s) {
-        mbar_init(&full[s], 1);
+        mbar_init(&full[s], RESIDENT_LOADED ? 1 + 32 : 1);
         mbar_init(&empty[s], Cfg::CONSUMERS * kStageReleaseArrivals<EXACT>);
       }
       if (RESIDENT_LOADED) mbar_init(resident_ready, 1);
       mbar_init(tail, 1);
       if (RESIDENT_LOADED) mbar_init(resident_free, Cfg::CONSUMERS);
+      for (int s = 0; RESIDENT_LOADED && s < Cfg::STAGES; ++s) mbar_init(&rows_free[s], Cfg::CONSUMERS * kWarpgroupThreads);
       if (ORDERED_DQ) {
         mbar_init(acc_full, 1);
         mbar_init(acc_empty, Cfg::DQ_WORKERS * kWarpgroupThreads);
@@ -439,88 +451,126 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     return p.causal ? min(key_tiles - 1, (first_pos + qstart + kTileRows - 1) / KEYS) : key_tiles - 1;
   };
 
+  // Every block of this CTA's items, in the consumers' order: on_item(item, tile) for each item
+  // with work, then on_block(item, head, qstart) for its (head, query block) pairs, blocks fastest.
+  auto for_each_block = [&](auto&& on_item, auto&& on_block) {
+    for (int64_t item = item0; item < items; item += item_step) {
+      const KeyItem it = key_item(item, [](int x) { return x; });
+      if (it.q_len <= 0 || it.tile >= it.key_tiles) continue;
+      const KeyTile kt = key_tile(it.tile, it.q_len, it.first_pos);
+      on_item(it, kt);
+      for (int b = 0; b < group * kt.q_blocks; ++b) {
+        on_block(it, it.kv_head * group + b / kt.q_blocks, (kt.first_qb + b % kt.q_blocks) * kTileRows);
+      }
+    }
+  };
+
   if (warpgroup == 0) {
     // 24 + 2 x 240 registers per thread slot: the 168 x 384 the launch holds.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
     const int warp = uniform(static_cast<int>(threadIdx.x) / 32), lane = static_cast<int>(threadIdx.x) % 32;
+    auto no_item = [](const KeyItem&, const KeyTile&) {};
     if (ORDERED_DQ && (warp == 1 || warp == 2)) {
       // The ordered dQ's loader (warp 1: once the block's turn has come, TMA-loads the earlier
       // tiles' sums) and releaser (warp 2: passes the turn on once the consumers stored theirs),
-      // off the consumers' path. The same blocks in the same order as the consumers. Lane 0
-      // alone: a lane left behind by one that spins on the turn could miss a phase of acc_empty.
+      // off the consumers' path. Lane 0 alone: a lane left behind by one that spins on the turn
+      // could miss a phase of acc_empty.
       if (lane != 0) return;
       uint32_t phase = 0;
-      for (int64_t item = item0; item < items; item += item_step) {
-        const auto [kv_head, tile, sq, q_len, kv_len, first_pos, key_tiles] = key_item(item, [](int x) { return x; });
-        if (q_len <= 0 || tile >= key_tiles) continue;
-        const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
-        for (int it = 0; it < group * q_blocks; ++it) {
-          const int head = kv_head * group + it / q_blocks;
-          const int qstart = (first_qb + it % q_blocks) * kTileRows;
-          const int64_t block_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + qstart;
-          int32_t* turn = w.turns + 1 + block_row;
-          if (warp == 1) {
-            mbar_wait(sm.acc_empty, phase ^ 1);  // the consumers have read the previous sums
-            if (tile > 0) {
-              while (ld_acquire_gpu(turn) != tile) {
-              }
-              asm volatile("fence.proxy.async.global;" ::: "memory");  // the sums, to the TMA's reads
-              mbar_arrive_expect_tx(sm.acc_full, Cfg::ACC_BYTES);
-              for (int b = 0; b < D / Cfg::ACC_BOX_COLUMNS; ++b) {
-                tma_load_2d(acc_tile + b * kBoxBytes, &acc_map, sm.acc_full, b * Cfg::ACC_BOX_COLUMNS,
-                            static_cast<int>(block_row));
-              }
-            } else {
-              mbar_arrive(sm.acc_full);  // tile 0: the sums start at +0
+      for_each_block(no_item, [&](const KeyItem& it, int head, int qstart) {
+        const int64_t block_row = it.sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + qstart;
+        int32_t* turn = w.turns + 1 + block_row;
+        if (warp == 1) {
+          mbar_wait(sm.acc_empty, phase ^ 1);  // the consumers have read the previous sums
+          if (it.tile > 0) {
+            while (ld_acquire_gpu(turn) != it.tile) {
+            }
+            asm volatile("fence.proxy.async.global;" ::: "memory");  // the sums, to the TMA's reads
+            mbar_arrive_expect_tx(sm.acc_full, Cfg::ACC_BYTES);
+            for (int b = 0; b < D / Cfg::ACC_BOX_COLUMNS; ++b) {
+              tma_load_2d(acc_tile + b * kBoxBytes, &acc_map, sm.acc_full, b * Cfg::ACC_BOX_COLUMNS,
+                          static_cast<int>(block_row));
             }
           } else {
-            mbar_wait(sm.acc_stored, phase);
-            if (tile < last_key_tile(qstart, key_tiles, first_pos)) {
-              __threadfence();
-              red_release_gpu_add(turn, 1);
-            }
+            mbar_arrive(sm.acc_full);  // tile 0: the sums start at +0
           }
+        } else {
+          mbar_wait(sm.acc_stored, phase);
+          if (it.tile < last_key_tile(qstart, it.key_tiles, it.first_pos)) {
+            __threadfence();
+            red_release_gpu_add(turn, 1);
+          }
+        }
+        phase ^= 1;
+      });
+      return;
+    }
+    if (warp == 3) {
+      // The row loader: each block's lse log2(e) and delta (queries past q_len: +0) into its
+      // stage's row values once every consumer thread has read the previous ones (`rows_free`:
+      // every lane reads them, and `empty` has one arrive per warp); every lane arrives on the
+      // stage's `full` after its stores. Loaded by the consumers from L2 right after S^T's wait,
+      // they held 17 % of dK/dV's samples at 1 x 16384 (ncu); from shared memory they are there
+      // before the stage is.
+      int stage = 0;
+      uint32_t phase = 0;
+      for_each_block(no_item, [&](const KeyItem& it, int head, int qstart) {
+        const int64_t row = it.sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + qstart;
+        float lse[2], delta[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = lane + 32 * h;
+          const bool in_range = qstart + i < it.q_len;
+          lse[h] = in_range ? __fmul_rn(p.lse[row + i], kLog2e) : 0.f;
+          delta[h] = in_range ? gp.delta[row + i] : 0.f;
+        }
+        mbar_wait(&sm.rows_free[stage], phase ^ 1);
+        float* rows = sm.stage_rows(stage);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          rows[lane + 32 * h] = lse[h];
+          rows[kTileRows + lane + 32 * h] = delta[h];
+        }
+        mbar_arrive(&sm.full[stage]);
+        if (++stage == STAGES) {
+          stage = 0;
           phase ^= 1;
         }
-      }
+      });
       return;
     }
     if (warp != 0) return;
     PairRingProducer<STAGES, Cfg::D_BOXES> qdo_ring{sm.ring, Cfg::STAGE_BYTES, Cfg::TILE_BYTES,
                                                     sm.full, sm.empty, sm.tail};
     uint32_t kv_phase = 0;
-    for (int64_t item = item0; item < items; item += item_step) {
-      const auto [kv_head, tile, sq, q_len, kv_len, first_pos, key_tiles] = key_item(item, [](int x) { return x; });
-      if (q_len <= 0 || tile >= key_tiles) continue;
-      int q_c1, q_c2, kv_c1, kv_c2;  // map coordinates of the sequence's token 0, head 0
-      q_at.coords(sq.q_base, 0, 0, q_c1, q_c2);
-      kv_at.coords(sq.kv_base, 0, 0, kv_c1, kv_c2);
-      const auto [key0, first_qb, q_blocks] = key_tile(tile, q_len, first_pos);
-      // K, V of the tile, once both consumers are done with the previous tile's (kv_free).
-      mbar_wait(kv_free, kv_phase ^ 1);
-      kv_phase ^= 1;
-      if (lane == 0) {
-        mbar_arrive_expect_tx(kv_ready, Cfg::RESIDENT_BYTES);
-        for (int c = 0; c < Cfg::CONSUMERS; ++c) {
-          int c1, c2;
-          kv_at.step(kv_c1, kv_c2, kv_head, key0 + c * kTileRows, c1, c2);
-          for (int b = 0; b < Cfg::D_BOXES; ++b) {
-            tma_load_3d(k_tile + c * Cfg::TILE_BYTES + b * kBoxBytes, &k_map, kv_ready, b * kBoxElems, c1, c2);
-            tma_load_3d(v_tile + c * Cfg::TILE_BYTES + b * kBoxBytes, &v_map, kv_ready, b * kBoxElems, c1, c2);
+    int q_c1, q_c2;  // map coordinates of the item's sequence's token 0, head 0
+    for_each_block(
+        [&](const KeyItem& it, const KeyTile& kt) {
+          int kv_c1, kv_c2;
+          q_at.coords(it.sq.q_base, 0, 0, q_c1, q_c2);
+          kv_at.coords(it.sq.kv_base, 0, 0, kv_c1, kv_c2);
+          // K, V of the tile, once both consumers are done with the previous tile's (kv_free).
+          mbar_wait(kv_free, kv_phase ^ 1);
+          kv_phase ^= 1;
+          if (lane == 0) {
+            mbar_arrive_expect_tx(kv_ready, Cfg::RESIDENT_BYTES);
+            for (int c = 0; c < Cfg::CONSUMERS; ++c) {
+              int c1, c2;
+              kv_at.step(kv_c1, kv_c2, it.kv_head, kt.key0 + c * kTileRows, c1, c2);
+              for (int b = 0; b < Cfg::D_BOXES; ++b) {
+                tma_load_3d(k_tile + c * Cfg::TILE_BYTES + b * kBoxBytes, &k_map, kv_ready, b * kBoxElems, c1, c2);
+                tma_load_3d(v_tile + c * Cfg::TILE_BYTES + b * kBoxBytes, &v_map, kv_ready, b * kBoxElems, c1, c2);
+              }
+            }
           }
-        }
-      }
-      for (int it = 0; it < group * q_blocks; ++it) {
-        const int head = kv_head * group + it / q_blocks;
-        const int qstart = (first_qb + it % q_blocks) * kTileRows;
-        int c1, c2;
-        q_at.step(q_c1, q_c2, head, qstart, c1, c2);
-        qdo_ring.load(&q_map, &do_map, c1, c2, q_len - qstart, lane);  // Q, dO rows past q_len: zeros
-      }
-    }
+        },
+        [&](const KeyItem& it, int head, int qstart) {
+          int c1, c2;
+          q_at.step(q_c1, q_c2, head, qstart, c1, c2);
+          qdo_ring.load(&q_map, &do_map, c1, c2, it.q_len - qstart, lane);  // Q, dO rows past q_len: zeros
+        });
     return;
   }
-
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
   const int consumer = warpgroup - 1;
   const int tid = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
@@ -568,17 +618,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       const int qstart = (first_qb + qb) * kTileRows;
       const int64_t lse_row = sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head;
       uint8_t* my_ds = sm.scratch + (ds_buffer * Cfg::CONSUMERS + consumer) * kBoxBytes;
-      {
-        // The next block's lse and delta rows into L1 while this block runs (6 lanes: the first,
-        // middle and last row of each, so every line of the up to 3 they span): the exponentials
-        // need the lse right after S^T's wait, where loads from L2 stood (ptxas issues them in
-        // batches, short of registers). Scheduling only.
-        const bool last_qb = qb == q_blocks - 1;
-        const int next_q = last_qb ? first_qb * kTileRows : qstart + kTileRows;
-        const int next_rows = min(kTileRows, q_len - next_q);
-        const int64_t row = lse_row + (last_qb ? p.lse_stride_head : 0) + next_q + (tid % 3) * (next_rows - 1) / 2;
-        prefetch_l1_if((tid < 3 ? p.lse : gp.delta) + row, tid < 6 && !(last_qb && hg == group - 1));
-      }
       const int stage = ring.stage;
       mbar_wait(&sm.full[stage], ring.phase);
       // A warpgroup whose keys all come after the block's last query (causal), or lie past
@@ -587,7 +626,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       const bool skip = my_key0 >= kv_len || (p.causal && my_key0 > first_pos + qstart + kTileRows - 1);
       if (!skip) {
         const uint64_t q_desc = box_desc(smem_addr(q_stage(stage))), do_desc = box_desc(smem_addr(do_stage(stage)));
-        // lse log2(e) and delta of this thread's query columns qstart + 8 nt + 2 t + e.
+        // lse log2(e) and delta of the block's queries (the row loader's).
+        const float* rows = sm.stage_rows(stage);
         float pt[1][8][4];
         float(&pt_flat)[32] = *reinterpret_cast<float(*)[32]>(&pt[0][0][0]);
         float dpt[1][8][4];
@@ -611,11 +651,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         if constexpr (HOLD_DK) ring.release_held(sm.empty, tid);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const int i0 = qstart + nt * 8 + 2 * t;
-          const float l0 = i0 < q_len ? __fmul_rn(p.lse[lse_row + i0], kLog2e) : 0.f;
-          const float l1 = i0 + 1 < q_len ? __fmul_rn(p.lse[lse_row + i0 + 1], kLog2e) : 0.f;
+          const float2 l = *reinterpret_cast<const float2*>(rows + nt * 8 + 2 * t);  // query qstart + 8 nt + 2 t
 #pragma unroll
-          for (int e = 0; e < 4; ++e) pt[0][nt][e] = ex2(__fmaf_rn(pt[0][nt][e], scale_log2, -(e % 2 ? l1 : l0)));
+          for (int e = 0; e < 4; ++e) pt[0][nt][e] = ex2(__fmaf_rn(pt[0][nt][e], scale_log2, -(e % 2 ? l.y : l.x)));
         }
         // Masking as the sm80 kernel: query column c = 8 nt + e % 2 (relative to qstart + 2t)
         // is allowed for key row hh iff lo[hh] <= c <= hi.
@@ -679,11 +717,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
         fence_accumulators(dv_flat);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const int i0 = qstart + nt * 8 + 2 * t;
-          const float d0 = i0 < q_len ? gp.delta[lse_row + i0] : 0.f;
-          const float d1 = i0 + 1 < q_len ? gp.delta[lse_row + i0 + 1] : 0.f;
+          const float2 d = *reinterpret_cast<const float2*>(rows + kTileRows + nt * 8 + 2 * t);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dpt[0][nt][e] = __fmul_rn(pt[0][nt][e], __fsub_rn(dpt[0][nt][e], e % 2 ? d1 : d0));
+          for (int e = 0; e < 4; ++e) dpt[0][nt][e] = __fmul_rn(pt[0][nt][e], __fsub_rn(dpt[0][nt][e], e % 2 ? d.y : d.x));
         }
         if (sub_masked) mask_sub(dpt);
         if (ORDERED_DQ && my_key0 + kTileRows > kv_len) {
@@ -719,6 +755,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       } else if (ORDERED_DQ) {
         for (int i = tid; i < kBoxBytes / 16; i += kWarpgroupThreads) reinterpret_cast<uint4*>(my_ds)[i] = make_uint4(0, 0, 0, 0);
       }
+      mbar_arrive(&sm.rows_free[stage]);  // after this thread's reads of the row values (or a skip)
       ring.template end_block<HOLD_DK>(!skip, sm.empty, tid);
       if constexpr (ORDERED_DQ) {
         fence_proxy_async();  // the dS tile's stores, to the wgmma's reads
