@@ -189,6 +189,8 @@ def main() -> int:
     if path is not None:
         out.add("attention", "rl_engine_ext", f"D{d}", "bf16", "default_path", path, 1)
     print(ABBA_LEGEND)
+    if references != known:
+        print(f"# references: {','.join(references)} only (--references): best = the fastest of these")
     gen = torch.Generator().manual_seed(0)
     best = {}  # (mode, key) -> (fastest reference, shape, [(provider, label, PairTiming against it)])
 

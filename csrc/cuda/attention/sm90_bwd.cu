@@ -140,8 +140,8 @@ struct PairRingProducer {
 // Both kernels' shared memory, from the dynamic allocation aligned up to 1024 bytes: two resident
 // tiles per consumer ([consumer][64 rows][D] each: K and V for dK/dV, Q and dO for dQ), the ring
 // of two-tile stages (Q and dO, or K and V), its row values ([stage][ROW_VALUES] fp32, dK/dV's),
-// the barriers (full, empty per stage; resident ready, tail, resident free), then the scratch
-// 1024 bytes past the ring (BwdConfig::SCRATCH_OFFSET).
+// the barriers (BwdConfig::BARRIERS, in its order), then the scratch 1024 bytes past the ring
+// (BwdConfig::SCRATCH_OFFSET).
 template <typename Cfg>
 struct BwdSmem {
   uint8_t *resident_a, *resident_b, *ring;
