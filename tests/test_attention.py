@@ -655,27 +655,32 @@ def test_sm90_ordered_dq_gives_the_recompute_bits(monkeypatch, dtype, head_dim, 
     seqs = _sequences(PATH_LENGTHS, 8, 2, head_dim, dtype, "cuda")
     (q, k, v, dout), cu = _packed(seqs, "cuda")
     (pq, pk, pv, pdout), mask = _padded(seqs[:4], 130, [0, 3, 60, 1])
-    # More CTAs (4 kv heads x 4 sequences x 16 key tiles) than one wave holds: tiles wait on CTAs
-    # that started in an earlier wave. Run several times: a hang or a race shows in any of them.
+    # More CTAs than one wave holds: tiles wait on CTAs that started in an earlier wave (4 kv heads
+    # x 4 sequences x 16 key tiles; and Qwen3-8B's 32/8 heads x 8 sequences x 8 key tiles, where the
+    # dQ releaser, before acc_released held the consumers back for it, fell two blocks behind and
+    # hung every full-attention run). Run several times: a hang or a race shows in any of them.
     g = torch.Generator(device="cuda").manual_seed(7)
-    wave = [torch.randn(4, h, 2048, head_dim, device="cuda", dtype=dtype, generator=g) for h in (16, 4, 4, 16)]
+    waves = [[torch.randn(b, h, s, head_dim, device="cuda", dtype=dtype, generator=g) for h in (hq, hkv, hkv, hq)]
+             for b, s, hq, hkv in ((4, 2048, 16, 4), (8, 1024, 32, 8))]
 
     def run():
         _, _, packed = _run_varlen(q, k, v, dout, cu, causal)
         leaves = [t.detach().requires_grad_(True) for t in (pq, pk, pv)]
         rl_engine_ext.attention(*leaves, mask, causal=causal).backward(pdout)
         grads = list(packed) + [t.grad for t in leaves]
-        for _ in range(3):
-            leaves = [t.detach().requires_grad_(True) for t in wave[:3]]
-            rl_engine_ext.attention(*leaves, causal=causal).backward(wave[3])
-            grads += [t.grad for t in leaves]
+        for wave in waves:
+            for _ in range(3):
+                leaves = [t.detach().requires_grad_(True) for t in wave[:3]]
+                rl_engine_ext.attention(*leaves, causal=causal).backward(wave[3])
+                grads += [t.grad for t in leaves]
         return grads
 
     monkeypatch.setenv(DQ_ENV, "ordered")
     ordered = run()
     monkeypatch.setenv(DQ_ENV, "recompute")
     recompute = run()
-    names = ["dq", "dk", "dv"] + [f"padded d{n}" for n in "qkv"] + [f"wave {i} d{n}" for i in range(3) for n in "qkv"]
+    names = (["dq", "dk", "dv"] + [f"padded d{n}" for n in "qkv"]
+             + [f"wave {w} run {i} d{n}" for w in range(len(waves)) for i in range(3) for n in "qkv"])
     for name, got, want in zip(names, ordered, recompute, strict=True):
         _assert_equal(got, want, f"ordered vs recompute: {name}")
 

@@ -62,8 +62,8 @@ struct BwdConfig {
   static constexpr int ROW_VALUES = 2 * kTileRows;
   static constexpr int RING_BYTES = STAGES * STAGE_BYTES + (STAGES * ROW_VALUES * 4 + 1023) / 1024 * 1024;
   // full, empty per stage; resident ready, tail, resident free; the ordered dQ's sums loaded, read,
-  // stored; dK/dV's row values free per stage
-  static constexpr int BARRIERS = 3 * STAGES + 6;
+  // stored; dK/dV's row values free per stage; the ordered dQ's turn passed on
+  static constexpr int BARRIERS = 3 * STAGES + 7;
   static constexpr int SMEM_BYTES = 1024 + RESIDENT_BYTES + RING_BYTES + BARRIERS * 8;
   // 1024 bytes past the ring (after the barriers), the EXACT kernels keep a cut scratch per consumer
   // (rs_product_by_cuts) and the ordered dQ its dS tiles, [2 buffers][consumer] 64 keys x 64
@@ -147,7 +147,7 @@ struct BwdSmem {
   uint8_t *resident_a, *resident_b, *ring;
   float* row_values;
   uint64_t *full, *empty, *resident_ready, *tail, *resident_free;
-  uint64_t *acc_full, *acc_empty, *acc_stored, *rows_free;
+  uint64_t *acc_full, *acc_empty, *acc_stored, *rows_free, *acc_released;
   uint8_t* scratch;
   __device__ __forceinline__ explicit BwdSmem(uint8_t* smem_raw) {
     uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
@@ -164,6 +164,7 @@ struct BwdSmem {
     acc_empty = acc_full + 1;
     acc_stored = acc_empty + 1;
     rows_free = acc_stored + 1;
+    acc_released = rows_free + Cfg::STAGES;
     scratch = smem + Cfg::SCRATCH_OFFSET;
   }
   __device__ __forceinline__ uint8_t* stage_a(int s) const { return ring + s * Cfg::STAGE_BYTES; }
@@ -187,6 +188,7 @@ struct BwdSmem {
         mbar_init(acc_full, 1);
         mbar_init(acc_empty, Cfg::DQ_WORKERS * kWarpgroupThreads);
         mbar_init(acc_stored, Cfg::DQ_WORKERS * kWarpgroupThreads);
+        mbar_init(acc_released, 1);
       }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -474,14 +476,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
       // The ordered dQ's loader (warp 1: once the block's turn has come, TMA-loads the earlier
       // tiles' sums) and releaser (warp 2: passes the turn on once the consumers stored theirs),
       // off the consumers' path. Lane 0 alone: a lane left behind by one that spins on the turn
-      // could miss a phase of acc_empty.
+      // could miss a phase of acc_empty. The loader waits for the releaser to have passed on the
+      // previous block's turn (acc_released) before it lets the consumers at this block's sums:
+      // nothing else held the consumers back, and a releaser slow in its gpu-scope fence saw
+      // acc_stored two phases on, waited for a phase that never came and kept the next key tile's
+      // CTA waiting for good (H200: forced ordered at 8 x 1024, 32/8 heads, not causal).
       if (lane != 0) return;
       uint32_t phase = 0;
       for_each_block(no_item, [&](const KeyItem& it, int head, int qstart) {
         const int64_t block_row = it.sq.lse_base + static_cast<int64_t>(head) * p.lse_stride_head + qstart;
         int32_t* turn = w.turns + 1 + block_row;
         if (warp == 1) {
-          mbar_wait(sm.acc_empty, phase ^ 1);  // the consumers have read the previous sums
+          mbar_wait(sm.acc_empty, phase ^ 1);     // the consumers have read the previous sums
+          mbar_wait(sm.acc_released, phase ^ 1);  // and the releaser has seen them stored
           if (it.tile > 0) {
             while (ld_acquire_gpu(turn) != it.tile) {
             }
@@ -500,6 +507,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
             __threadfence();
             red_release_gpu_add(turn, 1);
           }
+          mbar_arrive(sm.acc_released);
         }
         phase ^= 1;
       });
