@@ -11,7 +11,7 @@
 // even). Work is split over whole query (key) tiles, so the thread count changes no chain.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include "../common/attention_problem.h"
 

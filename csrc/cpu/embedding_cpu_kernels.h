@@ -1,7 +1,7 @@
 // CPU kernels of embedding, forward and backward. Torch types only at the interface (the dtype).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 

@@ -2,7 +2,7 @@
 // Torch types only at the interface; the arithmetic each promises is spelled out below.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 

@@ -2,7 +2,7 @@
 // arithmetic, the same functions the GPU kernels call).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include "../common/logprob.h"
 

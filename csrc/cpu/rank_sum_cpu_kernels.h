@@ -2,7 +2,7 @@
 // with the same RankSumTree).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include "../common/rank_sum.h"
 

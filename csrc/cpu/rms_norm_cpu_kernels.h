@@ -2,7 +2,7 @@
 // the arithmetic each promises is spelled out below and in rms_norm_cpu_kernels.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 

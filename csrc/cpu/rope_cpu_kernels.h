@@ -2,7 +2,7 @@
 // common/rope.h's.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include "../common/rope.h"
 

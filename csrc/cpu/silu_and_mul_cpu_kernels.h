@@ -2,7 +2,7 @@
 // the operands and the arithmetic, the same functions the GPU kernels call).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include "../common/silu_and_mul.h"
 
