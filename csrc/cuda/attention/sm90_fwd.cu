@@ -82,7 +82,13 @@ struct Sm90FwdConfig {
   // consumer warp's 16 output rows pass through O_WARP_BYTES of shared memory (fwd_epilogue).
   static constexpr bool STAGED_OUT = MIN_BLOCKS_ == 1;
   static constexpr int O_WARP_BYTES = 16 * HEAD_DIM * 2;
+  // With STAGED_OUT, a MERGE launch's fast kernel keeps each consumer warp's merged split state
+  // (SplitState: 16 rows of fp32 acc, then their (m, l)) in SPLIT_WARP_BYTES of shared memory,
+  // which its staged epilogue then reuses as o_stage. (Both keep the ring 1024-byte aligned.)
+  static constexpr int SPLIT_WARP_BYTES = 16 * HEAD_DIM * 4 + 16 * 8;
   static constexpr int O_BYTES = STAGED_OUT ? CONSUMERS * (kWarpgroupThreads / 32) * O_WARP_BYTES : 0;
+  static_assert(!STAGED_OUT || (CONSUMERS * (kWarpgroupThreads / 32) * SPLIT_WARP_BYTES % 1024 == 0 && O_BYTES % 1024 == 0),
+                "the ring's alignment");
   static constexpr int KV_TILE_BYTES = D_BOXES * kBoxBytes;
   static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K then V
   // DYNAMIC_TILES (the prefill kernel, not its EXACT relaunch): a persistent grid whose CTAs claim
@@ -119,6 +125,21 @@ enum class TileStep : int { kDone, kEmpty, kWork };
 // Named barriers: 1 + c: consumer c's own 128 threads; 3 + c: ping-pong turn of consumer c.
 constexpr int kConsumerBar = 1, kTurnBar = 3;
 
+// Whether a launch's consumer warps keep their merged split state in shared memory (SplitState),
+// the bytes per consumer warp between Q and the ring (that state, or o_stage alone), and in all.
+template <typename Cfg, SplitMode MODE, bool EXACT>
+constexpr bool split_state_in_smem() {
+  return Cfg::STAGED_OUT && MODE == SplitMode::kMerge && !EXACT;
+}
+template <typename Cfg, SplitMode MODE, bool EXACT>
+constexpr int stage_area_warp_bytes() {
+  return split_state_in_smem<Cfg, MODE, EXACT>() ? Cfg::SPLIT_WARP_BYTES : Cfg::O_WARP_BYTES;
+}
+template <typename Cfg, SplitMode MODE, bool EXACT>
+constexpr int stage_area_bytes() {
+  return Cfg::STAGED_OUT ? Cfg::CONSUMERS * (kWarpgroupThreads / 32) * stage_area_warp_bytes<Cfg, MODE, EXACT>() : 0;
+}
+
 // EXACT: the recompute launch (the fast kernel flagged a non-finite result): every block runs S,
 // the recurrence and P V in sequence, and P V of a block holding keys masked for some row runs by
 // cuts: per k16 key chunk and per count u of a row's allowed keys in it, the product with the
@@ -126,11 +147,15 @@ constexpr int kConsumerBar = 1, kTurnBar = 3;
 // of its own count (rows with none keep their acc). A row's masked keys then meet +0 where the fast
 // kernel met finite values (+-0 products), so the bits are the fast kernel's wherever those values
 // are finite (sm80_fwd.cu's EXACT kernel does the same with mma.sync).
-// EXACT adds the scratch 1024 bytes past the ring's end (the barriers sit in between).
-template <typename Cfg, bool EXACT>
+// The launch's dynamic shared memory; EXACT adds the scratch 1024 bytes past the ring's end (the
+// barriers sit in between).
+template <typename Cfg, SplitMode MODE, bool EXACT>
 constexpr int sm90_fwd_smem_bytes() {
-  return EXACT ? Cfg::SMEM_BYTES - Cfg::BARRIERS * 8 + 1024 + Cfg::CONSUMERS * Cfg::D_BOXES * kCutBoxBytes
-               : Cfg::SMEM_BYTES;
+  constexpr int bytes = Cfg::SMEM_BYTES - Cfg::O_BYTES + stage_area_bytes<Cfg, MODE, EXACT>() +
+                        (EXACT ? 1024 - Cfg::BARRIERS * 8 + Cfg::CONSUMERS * Cfg::D_BOXES * kCutBoxBytes : 0);
+  // (The EXACT relaunch need not fit MIN_BLOCKS CTAs per SM: it mostly finds nothing to do.)
+  static_assert((EXACT ? 1 : Cfg::MIN_BLOCKS) * (bytes + 1024) <= 228 * 1024, "shared memory of MIN_BLOCKS CTAs");
+  return bytes;
 }
 
 #ifdef RL_ALIGN_SM90A_DEVICE
@@ -208,16 +233,41 @@ struct KvRingProducer {
   }
 };
 
-// Row hh of the thread's accumulators merged in place with an earlier split's partial (wa: the
-// row's state in the workspace at this thread's columns 8 dn + 2 t, + 1). The partial is read whole
-// before the first merge: loads in the merge loop waited for L2 one by one (ncu at 1 x 16384: the
-// fold took 13% of the consumers' samples, the partner consumer waiting at its turn meanwhile).
-template <int D>
-__device__ __forceinline__ void merge_earlier_partial(float (&acc)[1][D / 8][4], int hh, const float* wa,
-                                                      SplitMergeWeights wt) {
+// MERGE: the merged state (m, l, acc) of a consumer warp's rows over their finished splits, which
+// fold_split builds and the epilogue merges the last split into; a row's m and l are written by
+// its lane t = 0, its acc columns by each of its 4 lanes. IN_SMEM (split_state_in_smem): in the
+// warp's area of shared memory (16 rows of D floats, then the rows' (m, l)), so that no fold or
+// epilogue waits for L2; else in the workspace (w.acc, w.ml) at the row's LSE index ws_row.
+template <int D, bool IN_SMEM>
+struct SplitState {
+  float* acc;  // IN_SMEM: the warp's area; else w.acc
+  float* ml;   // IN_SMEM: the area's (m, l) pairs; else w.ml
+  int g, t;    // the thread's rows 8 hh + g, columns 8 dn + 2 t, + 1
+  __device__ __forceinline__ float* ml_at(int hh, int64_t ws_row) const {
+    return ml + 2 * (IN_SMEM ? 8 * hh + g : ws_row);
+  }
+  // Columns 8 dn + 2 t, + 1 of row hh. IN_SMEM: row r's 8-column groups permuted by r % 4, so that
+  // the warp's float2 accesses of one dn fall on every bank (two wavefronts, not eight).
+  __device__ __forceinline__ float* at(int hh, int64_t ws_row, int dn) const {
+    if constexpr (IN_SMEM) {
+      const int r = 8 * hh + g;
+      return acc + r * D + (dn ^ (r % 4)) * 8 + 2 * t;
+    } else {
+      return acc + ws_row * D + dn * 8 + 2 * t;
+    }
+  }
+};
+
+// Row hh of the thread's accumulators merged in place with the state's earlier splits. The partial
+// is read whole before the first merge: loads in the merge loop waited for L2 one by one (ncu at
+// 1 x 16384: the fold took 13% of the consumers' samples, the partner consumer waiting at its turn
+// meanwhile).
+template <int D, bool IN_SMEM>
+__device__ __forceinline__ void merge_earlier_partial(float (&acc)[1][D / 8][4], int hh, int64_t ws_row,
+                                                      const SplitState<D, IN_SMEM>& state, SplitMergeWeights wt) {
   float2 prev[D / 8];
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) prev[dn] = *reinterpret_cast<const float2*>(wa + dn * 8);
+  for (int dn = 0; dn < D / 8; ++dn) prev[dn] = *reinterpret_cast<const float2*>(state.at(hh, ws_row, dn));
 #pragma unroll
   for (int dn = 0; dn < D / 8; ++dn) {
     acc[0][dn][2 * hh] = merge_elem(prev[dn].x, acc[0][dn][2 * hh], wt);
@@ -226,13 +276,13 @@ __device__ __forceinline__ void merge_earlier_partial(float (&acc)[1][D / 8][4],
 }
 
 // MERGE: at the first block b of split c >= 1, a consumer warp's rows warp_row0.. (those < rows)
-// that reach it fold the finished partial of split c - 1 into their merged state in the workspace
-// (the first is stored as it is) and restart from a fresh state; rows that end earlier keep theirs
-// (sm80_fwd.cu's fold).
-template <int D>
+// that reach it fold the finished partial of split c - 1 into their merged state (the first is
+// stored as it is) and restart from a fresh state; rows that end earlier keep theirs (sm80_fwd.cu's
+// fold).
+template <int D, bool IN_SMEM>
 __device__ __forceinline__ void fold_split(int b, float (&acc)[1][D / 8][4], float (&row_max)[1][2],
                                            float (&row_sum)[1][2], const int (&row_last_key)[1][2],
-                                           const AttentionProblem& p, const AttentionFwdWorkspace& w,
+                                           const SplitState<D, IN_SMEM>& state, const AttentionProblem& p,
                                            const AttentionSeq& sq, int kv_head, int rows, int group, int warp_row0,
                                            int lane) {
   const int g = lane / 4, t = lane % 4;
@@ -246,8 +296,8 @@ __device__ __forceinline__ void fold_split(int b, float (&acc)[1][D / 8][4], flo
     const int row = warp_row0 + 8 * hh + g;
     reach[hh] = row < rows && row_last_key[0][hh] >= key0;
     ws_row[hh] = sq.lse_base + (static_cast<int64_t>(kv_head) * group + row % group) * p.lse_stride_head + row / group;
-    ws_m[hh] = reach[hh] && !first ? w.ml[2 * ws_row[hh]] : 0.f;
-    ws_l[hh] = reach[hh] && !first ? w.ml[2 * ws_row[hh] + 1] : 0.f;
+    ws_m[hh] = reach[hh] && !first ? state.ml_at(hh, ws_row[hh])[0] : 0.f;
+    ws_l[hh] = reach[hh] && !first ? state.ml_at(hh, ws_row[hh])[1] : 0.f;
   }
   __syncwarp();  // the row's 4 lanes read its state before lane t = 0 rewrites it
 #pragma unroll
@@ -261,20 +311,21 @@ __device__ __forceinline__ void fold_split(int b, float (&acc)[1][D / 8][4], flo
       wt = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
     }
     if (t == 0) {
-      w.ml[2 * ws_row[hh]] = m;
-      w.ml[2 * ws_row[hh] + 1] = l;
+      state.ml_at(hh, ws_row[hh])[0] = m;
+      state.ml_at(hh, ws_row[hh])[1] = l;
     }
-    float* wa = w.acc + ws_row[hh] * D + 2 * t;
-    if (!first) merge_earlier_partial<D>(acc, hh, wa, wt);
+    if (!first) merge_earlier_partial<D>(acc, hh, ws_row[hh], state, wt);
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<float2*>(wa + dn * 8) = make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
+      *reinterpret_cast<float2*>(state.at(hh, ws_row[hh], dn)) =
+          make_float2(acc[0][dn][2 * hh], acc[0][dn][2 * hh + 1]);
       acc[0][dn][2 * hh] = 0.f;
       acc[0][dn][2 * hh + 1] = 0.f;
     }
     row_max[0][hh] = -INFINITY;
     row_sum[0][hh] = 0.f;
   }
+  __syncwarp();  // lane t = 0's (m, l) before the other lanes' next read of them
 }
 
 // EXACT: acc += P V of the key block key0.. whose V tile is at v_tile, by cuts
@@ -309,15 +360,18 @@ __device__ __forceinline__ void pv_by_cuts(float (&acc_flat)[D / 2], const uint3
 // word.
 // STAGED: the rounded rows go through the warp's o_stage (16 rows, 128-byte-swizzled boxes of 64
 // columns, stmatrix) and leave as whole 16-byte chunks, a row's 256 bytes per half warp, rather
-// than as 4-byte words per thread.
-template <typename T, int D, SplitMode MODE, bool EXACT, bool STAGED>
+// than as 4-byte words per thread. o_stage overlays the warp's SplitState area where that is in
+// shared memory.
+template <typename T, int D, SplitMode MODE, bool EXACT, bool STAGED, bool IN_SMEM>
 __device__ __forceinline__ void fwd_epilogue(float (&acc)[1][D / 8][4], const float (&row_max)[1][2],
-                                             const float (&row_sum)[1][2], const int (&row_last_key)[1][2], T* out,
-                                             const AttentionProblem& p, const AttentionFwdWorkspace& w,
-                                             const AttentionSeq& sq, int kv_head, int split, int rows, int group,
-                                             int warp_row0, uint8_t* o_stage, int lane) {
+                                             const float (&row_sum)[1][2], const int (&row_last_key)[1][2],
+                                             const SplitState<D, IN_SMEM>& state, T* out, const AttentionProblem& p,
+                                             const AttentionFwdWorkspace& w, const AttentionSeq& sq, int kv_head,
+                                             int split, int rows, int group, int warp_row0, uint8_t* o_stage,
+                                             int lane) {
   constexpr bool MERGE = MODE == SplitMode::kMerge, PER_SPLIT = MODE == SplitMode::kPerSplit;
   static_assert(!(STAGED && PER_SPLIT), "a staged epilogue writes whole rows of out");
+  static_assert(!IN_SMEM || (STAGED && MERGE), "the state's area is o_stage's");
   const int g = lane / 4, t = lane % 4;
   bool nonfinite = false;
   // Per row of the thread: whether out takes it here, and how (merged with earlier splits, 1 / l).
@@ -351,8 +405,8 @@ __device__ __forceinline__ void fwd_epilogue(float (&acc)[1][D / 8][4], const fl
     }
     merged[hh] = MERGE && row_last_key[0][hh] >= static_cast<int>(kAttentionKvSplit);
     if (merged[hh]) {
-      m = w.ml[2 * lse_at];
-      l = w.ml[2 * lse_at + 1];
+      m = state.ml_at(hh, lse_at)[0];
+      l = state.ml_at(hh, lse_at)[1];
       wt[hh] = merge_split(m, l, row_max[0][hh], row_sum[0][hh]);
     }
     inv_l[hh] = reciprocal(l);
@@ -364,8 +418,9 @@ __device__ __forceinline__ void fwd_epilogue(float (&acc)[1][D / 8][4], const fl
   if constexpr (MERGE) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      if (merged[hh]) merge_earlier_partial<D>(acc, hh, w.acc + lse_row[hh] * D + 2 * t, wt[hh]);
+      if (merged[hh]) merge_earlier_partial<D>(acc, hh, lse_row[hh], state, wt[hh]);
     }
+    if constexpr (IN_SMEM) __syncwarp();  // every lane's reads of the area before o_stage's writes
   }
   // Columns 8 dn + 2 t, + 1 of row hh, rounded.
   auto rounded_pair = [&](int dn, int hh) -> uint32_t {
@@ -427,7 +482,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
   uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   uint8_t* q_smem = smem;
   uint8_t* o_stage = smem + Cfg::Q_BYTES;
-  uint8_t* ring = o_stage + Cfg::O_BYTES;
+  constexpr bool SPLIT_IN_SMEM = split_state_in_smem<Cfg, MODE, EXACT>();
+  constexpr int STAGE_WARP_BYTES = stage_area_warp_bytes<Cfg, MODE, EXACT>();
+  uint8_t* ring = o_stage + stage_area_bytes<Cfg, MODE, EXACT>();
   FwdTile* sched_tile = reinterpret_cast<FwdTile*>(ring + STAGES * Cfg::STAGE_BYTES);
   uint64_t* k_full = reinterpret_cast<uint64_t*>(sched_tile + Cfg::SCHED_SLOTS);
   uint64_t* v_full = k_full + STAGES;
@@ -673,6 +730,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
         const int pos = first_pos + (warp_row0 + 8 * hh + g) / group;
         row_last_key[0][hh] = p.causal && pos < kv_len ? pos : kv_len - 1;
       }
+      uint8_t* warp_area = o_stage + (consumer * (kWarpgroupThreads / 32) + warp) * STAGE_WARP_BYTES;
+      float* warp_area_floats = reinterpret_cast<float*>(warp_area);
+      const SplitState<D, SPLIT_IN_SMEM> split_state{SPLIT_IN_SMEM ? warp_area_floats : w.acc,
+                                                     SPLIT_IN_SMEM ? warp_area_floats + 16 * D : w.ml, g, t};
       float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
       float acc[1][D / 8][4];
 #pragma unroll
@@ -766,7 +827,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
             wgmma_wait<0>();
             fence_accumulators(score_flat);
             if (MERGE && b > 0 && b % kSplitBlocks == 0) {
-              fold_split<D>(b, acc, row_max, row_sum, row_last_key, p, w, sq, kv_head, rows, group, warp_row0, lane);
+              fold_split<D>(b, acc, row_max, row_sum, row_last_key, split_state, p, sq, kv_head, rows, group, warp_row0,
+                            lane);
             }
             if (softmax(b, b >= mask_from)) rescale_acc();
             to_p();
@@ -802,7 +864,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
             fence_accumulators(score_flat);
             fence_accumulators(acc_flat);
             release(prev_stage);
-            fold_split<D>(b, acc, row_max, row_sum, row_last_key, p, w, sq, kv_head, rows, group, warp_row0, lane);
+            fold_split<D>(b, acc, row_max, row_sum, row_last_key, split_state, p, sq, kv_head, rows, group, warp_row0,
+                            lane);
             if (softmax(b, masked)) rescale_acc();
           } else {
             wgmma_wait<1>();  // S done; P V of b - 1 may still run (pa is rewritten only after it)
@@ -863,9 +926,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_BLOCKS)
 
       // ------------------------------------------------------------------ epilogue
       constexpr bool STAGED = Cfg::STAGED_OUT && !EXACT;
-      fwd_epilogue<T, D, MODE, EXACT, STAGED>(acc, row_max, row_sum, row_last_key, out, p, w, sq, kv_head, split, rows,
-                                               group, warp_row0, o_stage + (consumer * 4 + warp) * Cfg::O_WARP_BYTES,
-                                               lane);
+      fwd_epilogue<T, D, MODE, EXACT, STAGED>(acc, row_max, row_sum, row_last_key, split_state, out, p, w, sq, kv_head,
+                                               split, rows, group, warp_row0, warp_area, lane);
     }
   }
 #endif  // RL_ALIGN_SM90A_DEVICE
@@ -891,7 +953,7 @@ template <typename T, typename Cfg, bool SCALE_NONNEG, SplitMode MODE, bool EXAC
 gpuError_t launch_kernel(DType dtype, const AttentionProblem& p, const AttentionFwdWorkspace& w, const OperandMap& kv_at,
                          float scale_log2, gpuStream_t stream) {
   auto kernel = attention_fwd_sm90_kernel<T, Cfg, SCALE_NONNEG, MODE, EXACT>;
-  constexpr int kSmem = sm90_fwd_smem_bytes<Cfg, EXACT>();
+  constexpr int kSmem = sm90_fwd_smem_bytes<Cfg, MODE, EXACT>();
   static std::atomic<uint64_t> raised{0};
   gpuError_t err = allow_dynamic_smem(kernel, kSmem, raised);
   if (err != cudaSuccess) return err;
