@@ -6,7 +6,8 @@
 // CTA's tiles from a counter (a persistent grid, longest tiles first) and resolves each for the
 // other warps. S = Q K^T is a wgmma RS (Q in registers; SS where two CTAs share an SM); O += P V a
 // wgmma RS (P from the S accumulators). The prefill kernel's output rows leave through shared
-// memory (stmatrix), as whole 16-byte chunks.
+// memory (stmatrix), as whole 16-byte chunks; where its rows cross a KV split, each consumer warp
+// keeps their merged state of the finished splits in that same area (SplitState).
 //
 // Arithmetic: the sm80 forward's, step for step (sm80_fwd.cu header; the block recurrence
 // and the split merge are recurrence.cuh's functions, called on the wgmma accumulators,
