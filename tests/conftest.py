@@ -3,6 +3,7 @@
 import contextlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -223,6 +224,14 @@ def needs_script(name: str):
     """Skip marker of the tests of scripts/NAME.py: the packaging run outside the tree has no scripts/."""
     return pytest.mark.skipif(not os.path.isfile(os.path.join(SCRIPTS, f"{name}.py")),
                               reason=f"needs the source tree (scripts/{name}.py)")
+
+
+def nvcc_path() -> str | None:
+    """The nvcc that builds tests/cpp and scripts/*.cu programs: $NVCC, /usr/local/cuda/bin or PATH."""
+    for path in (os.environ.get("NVCC"), "/usr/local/cuda/bin/nvcc", shutil.which("nvcc")):
+        if path and os.path.isfile(path):
+            return path
+    return None
 
 
 def load_script(name: str):

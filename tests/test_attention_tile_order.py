@@ -8,27 +8,21 @@ hang). The order is scheduling only; the GPU tests prove the bits are the same w
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
 import pytest
+
+from conftest import nvcc_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = os.path.join(ROOT, "tests", "cpp", "tile_order_check.cu")
 
 
-def _nvcc() -> str | None:
-    for path in (os.environ.get("NVCC"), "/usr/local/cuda/bin/nvcc", shutil.which("nvcc")):
-        if path and os.path.isfile(path):
-            return path
-    return None
-
-
 @pytest.mark.skipif(not os.path.isdir(os.path.join(ROOT, "csrc")), reason="needs the source tree (csrc/)")
-@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (NVCC, /usr/local/cuda/bin or PATH)")
+@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc (NVCC, /usr/local/cuda/bin or PATH)")
 def test_sm90_tile_orders_agree(tmp_path):
     program = str(tmp_path / "tile_order_check")
-    built = subprocess.run([_nvcc(), "-std=c++17", "-I", os.path.join(ROOT, "csrc"), "-o", program, SOURCE],
+    built = subprocess.run([nvcc_path(), "-std=c++17", "-I", os.path.join(ROOT, "csrc"), "-o", program, SOURCE],
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout + built.stderr
     done = subprocess.run([program], capture_output=True, text=True, timeout=60)
