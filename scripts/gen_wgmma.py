@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 
-N_SIZES = (32, 48, 64, 128, 192, 256)
+# 8 and 16: only the microbenchmarks (scripts/wgmma_chain_latency.cu, scripts/tma_stream_bandwidth.cu).
+N_SIZES = (8, 16, 32, 48, 64, 128, 192, 256)
 RS_N_SIZES = (64, 128)  # attention's head dims
 TYPES = {"bfloat16_t": "bf16", "half_t": "f16"}
 HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "primitives", "wgmma_instructions.h")
@@ -21,7 +22,7 @@ HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def wrapper(n: int, ctype: str, ptx: str) -> str:
     regs = n // 2
     acc = ", ".join(f"%{i}" for i in range(regs))
-    operands = ",\n        ".join(", ".join(f'"+f"(d[{i + j}])' for j in range(8)) for i in range(0, regs, 8))
+    operands = ",\n        ".join(", ".join(f'"+f"(d[{i + j}])' for j in range(min(8, regs - i))) for i in range(0, regs, 8))
     return f"""
 template <>
 struct Wgmma<{n}, {ctype}> {{

@@ -28,16 +28,6 @@ constexpr int kBoxRows = 64;
 
 enum Pattern { kColumnStripe, kRowRange };
 
-#ifdef RL_ALIGN_SM90A_DEVICE
-// m64n16k16 (not in wgmma_instructions.h: no kernel uses it), A MN-major, B K-major.
-__device__ __forceinline__ void mma_m64n16k16_tn(float (&d)[8], uint64_t a, uint64_t b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, 1, 0;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(a), "l"(b));
-}
-#endif
-
 constexpr int kARows = 16;  // the A box of a decode-size (m <= 16) grad input
 constexpr int kAStageBytes = 64 * kSwizzleRowBytes;  // a 64-row wgmma tile's A, as the kernel lays it out
 
@@ -126,7 +116,8 @@ __global__ void __launch_bounds__(256) stream_kernel(const __grid_constant__ CUt
       for (int s = 0; s < 4; ++s) {
         if (RELEASE == kHalfMma && (i & 1)) break;
         if constexpr (SWAPPED) {
-          mma_m64n16k16_tn(acc16, smem_desc_at(b_desc, s * 16 * kSwizzleRowBytes), smem_desc_at(a_desc, s * 32));
+          Wgmma<16, bfloat16_t>::template mma<1, 0>(acc16, smem_desc_at(b_desc, s * 16 * kSwizzleRowBytes),
+                                                    smem_desc_at(a_desc, s * 32), 1);
         } else {
           Wgmma<64, bfloat16_t>::template mma<0, 1>(acc, smem_desc_at(a_desc, s * 32),
                                                     smem_desc_at(b_desc, s * 16 * kSwizzleRowBytes), 1);

@@ -22,36 +22,6 @@ constexpr int kSmemBytes = 6 * kTileBytes + kSwizzleAtomBytes;
 
 #ifdef RL_ALIGN_SM90A_DEVICE
 
-// m64n8k16 and m64n16k16 are not in wgmma_instructions.h (no kernel uses them).
-template <int N>
-struct ChainMma {
-  template <int TA, int TB>
-  __device__ __forceinline__ static void mma(float (&d)[N / 2], uint64_t a, uint64_t b) {
-    Wgmma<N, bfloat16_t>::template mma<TA, TB>(d, a, b, 1);
-  }
-};
-template <>
-struct ChainMma<8> {
-  template <int TA, int TB>
-  __device__ __forceinline__ static void mma(float (&d)[4], uint64_t a, uint64_t b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, 1, 1, 1, %6, %7;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(a), "l"(b), "n"(TA), "n"(TB));
-  }
-};
-template <>
-struct ChainMma<16> {
-  template <int TA, int TB>
-  __device__ __forceinline__ static void mma(float (&d)[8], uint64_t a, uint64_t b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, "
-        "%10, %11;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(a), "l"(b), "n"(TA), "n"(TB));
-  }
-};
-
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -97,8 +67,9 @@ __global__ void __launch_bounds__(256) chain_kernel(int steps, long long* cycles
         const int chunk = s % 4;  // the four k16 chunks of a k-block
 #pragma unroll
         for (int c = 0; c < CHAINS; ++c) {
-          ChainMma<N>::template mma<TA, TB>(acc[c], smem_desc_at(a_desc, TA ? chunk * 16 * kSwizzleRowBytes : chunk * 32),
-                                           smem_desc_at(b_desc, TB ? chunk * 16 * kSwizzleRowBytes : chunk * 32));
+          Wgmma<N, bfloat16_t>::template mma<TA, TB>(acc[c],
+                                                     smem_desc_at(a_desc, TA ? chunk * 16 * kSwizzleRowBytes : chunk * 32),
+                                                     smem_desc_at(b_desc, TB ? chunk * 16 * kSwizzleRowBytes : chunk * 32), 1);
         }
       }
       wgmma_commit();
