@@ -1,9 +1,9 @@
 """The standalone sm_90a microbenchmarks behind issue 36's GEMM findings (scripts/wgmma_chain_latency.cu:
 cycles per step of a dependent wgmma chain; scripts/tma_stream_bandwidth.cu: the decode-size grad
 input's weight stream with and without its MMA). They build with nvcc alone (no torch); every case
-must compile without ptxas serializing its wgmma (a serialized chain would time the wrong thing),
-but the half-MMA diagnostic's branch, which ptxas fences by design. On an sm_90 GPU they also run
-and print one CSV row per case, with no CUDA error."""
+must compile without ptxas serializing or fencing its wgmma (a serialized chain would time the wrong
+thing), but for the half-MMA diagnostic, whose branch between wgmma ptxas fences (C7519). On an
+sm_90 GPU they also run and print one CSV row per case, with no CUDA error."""
 
 from __future__ import annotations
 
