@@ -31,6 +31,11 @@ enum Pattern { kColumnStripe, kRowRange };
 constexpr int kARows = 16;  // the A box of a decode-size (m <= 16) grad input
 constexpr int kAStageBytes = 64 * kSwizzleRowBytes;  // a 64-row wgmma tile's A, as the kernel lays it out
 
+// A stage: the weight box, then (for the A box or the wgmma) a 64-row A tile.
+__host__ __device__ constexpr int stage_bytes(int box_cols, bool with_a_tile) {
+  return box_cols * 2 * kBoxRows + (with_a_tile ? kAStageBytes : 0);
+}
+
 // SWAPPED: the k-block's wgmma computes dX^T = W^T dY^T instead: m64n16k16 with the weight tile
 // as A (MN-major) and the 16 dY rows as B (K-major), 2.5 KB of shared memory read per k16 chunk
 // instead of m64n64k16's 4 KB.
@@ -47,7 +52,7 @@ __global__ void __launch_bounds__(256) stream_kernel(const __grid_constant__ CUt
                                                      const __grid_constant__ CUtensorMap map_a, float* sink) {
 #ifdef RL_ALIGN_SM90A_DEVICE
   constexpr int kBBytes = BOX_COLS * 2 * kBoxRows;
-  constexpr int kStageBytes = kBBytes + (WITH_A || WITH_MMA ? kAStageBytes : 0);
+  constexpr int kStageBytes = stage_bytes(BOX_COLS, WITH_A || WITH_MMA);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + STAGES * kStageBytes);
@@ -169,34 +174,33 @@ __global__ void __launch_bounds__(256) stream_kernel(const __grid_constant__ CUt
 #endif
 }
 
+// A row-major [outer, inner] bf16 matrix read in boxes of [box_outer, box_inner].
+CUresult encode_bf16_2d(CUtensorMap* map, const void* ptr, cuuint64_t inner, cuuint64_t outer, cuuint32_t box_inner,
+                        cuuint32_t box_outer, CUtensorMapSwizzle swizzle) {
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {inner * 2};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box,
+                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 template <int BOX_COLS, int STAGES, Pattern PATTERN, bool WITH_A = false, bool WITH_MMA = false, bool SWAPPED = false,
           Release RELEASE = kAfterNext>
 void run_case(const void* w, const void* dy, float* sink, int ctas, double copy_bps) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {kCols, kRows};
-  const cuuint64_t strides[1] = {kCols * 2};
-  const cuuint32_t box[2] = {BOX_COLS, kBoxRows};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(w), dims,
-                                          strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          BOX_COLS == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  CUtensorMap map, map_a;
+  const CUresult r = encode_bf16_2d(&map, w, kCols, kRows, BOX_COLS, kBoxRows,
+                                    BOX_COLS == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
   // dY of a one-token grad input: [1, kRows], read in boxes of [16 rows, 64] (15 rows zero fill).
-  CUtensorMap map_a;
-  const cuuint64_t a_dims[2] = {kRows, 1};
-  const cuuint64_t a_strides[1] = {kRows * 2};
-  const cuuint32_t a_box[2] = {64, kARows};
-  const CUresult ra = tensor_map_encoder()(&map_a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(dy), a_dims,
-                                           a_strides, a_box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                           CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult ra = encode_bf16_2d(&map_a, dy, kRows, 1, 64, kARows, CU_TENSOR_MAP_SWIZZLE_128B);
   if (r != CUDA_SUCCESS || ra != CUDA_SUCCESS) {
     std::printf("encode failed %d %d\n", static_cast<int>(r), static_cast<int>(ra));
     return;
   }
   auto kernel = stream_kernel<BOX_COLS, STAGES, PATTERN, WITH_A, WITH_MMA, SWAPPED, RELEASE>;
-  const int stage_bytes = BOX_COLS * 2 * kBoxRows + (WITH_A || WITH_MMA ? kAStageBytes : 0);
-  const int smem = STAGES * stage_bytes + 2 * STAGES * 8 + 1024;
+  constexpr int kStage = stage_bytes(BOX_COLS, WITH_A || WITH_MMA);
+  const int smem = STAGES * kStage + 2 * STAGES * 8 + 1024;
   const int threads = WITH_MMA ? 2 * kWarpgroupThreads : 64;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaEvent_t start, stop;
@@ -215,7 +219,7 @@ void run_case(const void* w, const void* dy, float* sink, int ctas, double copy_
   const double bytes = static_cast<double>(kRows) * kCols * 2;
   static const char* const kReleaseNames[] = {"", "/release_before_mma", "/wait0", "/half_mma", "/no_mma"};
   std::printf("%s%s%s%s,%d,%d,%d,%d,%.1f,%.0f,%.3f%s%s\n", PATTERN == kColumnStripe ? "column_stripe" : "row_range",
-              WITH_A ? "+a" : "", WITH_MMA ? (SWAPPED ? "+mma_swapped" : "+mma") : "", WITH_MMA ? kReleaseNames[RELEASE] : "", BOX_COLS * 2, STAGES, STAGES * stage_bytes / 1024, ctas,
+              WITH_A ? "+a" : "", WITH_MMA ? (SWAPPED ? "+mma_swapped" : "+mma") : "", WITH_MMA ? kReleaseNames[RELEASE] : "", BOX_COLS * 2, STAGES, STAGES * kStage / 1024, ctas,
               us, bytes / us * 1e-3,
               bytes / (us * 1e-6) / copy_bps, e == cudaSuccess ? "" : ",", e == cudaSuccess ? "" : cudaGetErrorString(e));
 }
